@@ -1,0 +1,1 @@
+"""morse_jax.models."""

@@ -32,8 +32,9 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 class LoraInputs(NamedTuple):
     """Per-row LoRA deltas for the adapted segment, already gathered for each row.
 
-    a[target]: [L_adapt, B, E_active, d_in, r];  b[target]: [L_adapt, B, E_active, r, d_out];
-    scale: [B, E_active] = expert weight * alpha / rank (0 = padding slot, an exact no-op).
+    Either gathered per row — a[target]: [L_adapt, B, K, d_in, r], b[target]: [L_adapt, B, K, r, d_out],
+    scale: [B, K] — or all experts with per-row weights — a: [L_adapt, E, d_in, r],
+    b: [L_adapt, E, r, d_out], scale: [B, E]. scale = expert weight * alpha / rank; 0 is an exact no-op.
     Built by ``morse_jax.mole.experts.gather_lora``.
     """
 
@@ -194,10 +195,14 @@ def _linear(x, p, target, lora, layer_lora):
     if "bias" in p:
         y = y + p["bias"]
     if layer_lora is not None and target in layer_lora[0]:
-        a, b = layer_lora[0][target], layer_lora[1][target]  # [B, E, d_in, r], [B, E, r, d_out]
-        xa = jnp.einsum("btd,bedr->bter", x, a.astype(x.dtype))
-        xa = xa * lora.scale.astype(x.dtype)[:, None, :, None]
-        y = y + jnp.einsum("bter,bero->bto", xa, b.astype(x.dtype))
+        a, b = layer_lora[0][target], layer_lora[1][target]
+        scale = lora.scale.astype(x.dtype)[:, None, :, None]
+        if a.ndim == 4:  # gathered per row: [B, K, d_in, r], [B, K, r, d_out]
+            xa = jnp.einsum("btd,bkdr->btkr", x, a.astype(x.dtype)) * scale
+            y = y + jnp.einsum("btkr,bkro->bto", xa, b.astype(x.dtype))
+        else:  # all experts, per-row weights scattered over them: [E, d_in, r], [E, r, d_out]
+            xa = jnp.einsum("btd,edr->bter", x, a.astype(x.dtype)) * scale
+            y = y + jnp.einsum("bter,ero->bto", xa, b.astype(x.dtype))
     return y
 
 

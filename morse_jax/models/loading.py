@@ -31,9 +31,12 @@ class WeightLoadError(ValueError):
     """A checkpoint could not be loaded completely and exactly."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Backbone:
-    """A loaded frozen backbone: architecture, parameters (a pytree) and tokenizer (or None)."""
+    """A loaded frozen backbone: architecture, parameters (a pytree) and tokenizer (or None).
+
+    Compared and hashed by identity (params are large arrays).
+    """
 
     config: ModelConfig
     params: Any
@@ -108,7 +111,7 @@ def _assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], top: dict[str,
     params: dict[str, Any] = {}
     for ours, theirs in top.items():
         want = shapes[ours]
-        params[ours] = fetch(theirs, want if ours != "lm_head" else want[::-1], ours == "lm_head")
+        params[ours] = fetch(theirs, want, ours == "lm_head")  # lm_head: HF [V, d] -> ours [d, V]
         bar.update()
     layers: dict[str, Any] = {}
     for path, template in layer_names.items():

@@ -1,0 +1,296 @@
+"""Batched generation with per-row prompts, expert sets and sampling settings.
+
+The host side packs requests into micro-batches whose shapes come from a few buckets (batch
+size, prompt length, new-token budget) so compiles stay few and are counted. The device side is
+a jitted prefill and a jitted decode chunk (a ``lax.while_loop`` over a static KV cache whose
+buffers are donated); the host checks stop strings between chunks and stops early once every
+row is done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from morse_jax.models.loading import Backbone
+from morse_jax.models.transformer import forward, init_cache, split_segments, unstack_segments
+from morse_jax.mole.experts import ExpertBankSpec, gather_lora
+from morse_jax.sampling.sample import sample_tokens, token_log_prob
+
+log = logging.getLogger("morse_jax.sampling")
+FINISH_REASONS = ("eos", "stop", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request.
+
+    expert_ids / expert_weights: the row's active set (bank ids and weights; empty = no adapter).
+    temperature 0 = greedy. top_k 0 = no top-k limit. stop_token_ids end the row (the stop token
+    is kept in ``token_ids``); stop_strings end it too (the text is cut before the string).
+    """
+
+    prompt_ids: Sequence[int]
+    expert_ids: Sequence[int] = ()
+    expert_weights: Sequence[float] = ()
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: Sequence[int] = ()
+    stop_strings: Sequence[str] = ()
+
+    def validate(self, index: int = 0) -> None:
+        where = f"requests[{index}]"
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"{where}.prompt_ids is empty")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"{where}.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"{where}.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{where}.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"{where}.top_k must be >= 0, got {self.top_k}")
+        if len(self.expert_ids) != len(self.expert_weights):
+            raise ValueError(f"{where}: expert_ids and expert_weights differ in length")
+
+
+@dataclasses.dataclass
+class Completion:
+    """token_ids: generated ids; logprobs: float32 log-prob of each under the model at T=1."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: np.ndarray
+    finish_reason: str
+    prompt_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """Buckets and limits. Shapes reaching jit are rounded up to these buckets."""
+
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    prompt_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
+    new_token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
+    max_batch: int = 16  # micro-batch size
+    chunk: int = 32  # decode steps between host checks (stop strings, all-done)
+    k_cap: int = 256  # top-k candidates inside which top-p runs
+    max_active: int = 4  # expert slots per row
+    unroll_decode: bool = True  # per-layer params and caches in decode (in-place cache updates)
+    cache_dtype: Any = None  # default: the params' dtype
+
+    def __post_init__(self):
+        if self.max_batch > max(self.batch_buckets):
+            raise ValueError(f"sampler.max_batch={self.max_batch} exceeds the largest batch bucket")
+
+
+def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{what}={n} exceeds the largest bucket {max(buckets)}; extend the sampler buckets")
+
+
+class Sampler:
+    """Compiled generation for one backbone (and optionally one expert-bank layout).
+
+    ``compile_count`` counts traces of the prefill and decode functions.
+    """
+
+    def __init__(self, backbone: Backbone, spec: ExpertBankSpec | None = None,
+                 config: SamplerConfig = SamplerConfig()):
+        self.backbone, self.spec, self.config = backbone, spec, config
+        self.cfg = backbone.config
+        params = backbone.params
+        if spec is not None:
+            params = split_segments(params, spec.n_adapt)
+        self._params = unstack_segments(params) if config.unroll_decode else params
+        self.compile_count = 0
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len",))
+        self._decode = jax.jit(self._decode_impl, static_argnames=("full_vocab",), donate_argnums=(2,))
+
+    # ------------------------------------------------------------------ device functions
+
+    def _lora(self, bank, ids, weights):
+        if self.spec is None or bank is None:
+            return None
+        return gather_lora(bank, self.spec, ids, weights)
+
+    def _prefill_impl(self, params, bank, tokens, valid, ids, weights, *, cache_len):
+        self.compile_count += 1  # runs at trace time only
+        B = tokens.shape[0]
+        dtype = self.config.cache_dtype or params["embed"].dtype
+        cache = init_cache(self.cfg, params, B, cache_len, dtype)
+        logits, cache = forward(params, self.cfg, tokens, valid=valid, cache=cache,
+                                lora=self._lora(bank, ids, weights), logits_mode="last")
+        return logits, cache
+
+    def _decode_impl(self, params, bank, state, ids, weights, settings, stop_end, *, full_vocab):
+        """Run decode steps until ``stop_end`` steps are done or every row is done."""
+        self.compile_count += 1
+        lora = self._lora(bank, ids, weights)
+        temperature, top_k, top_p, max_new, stop_ids = settings
+
+        def cond(s):
+            return (s["step"] < stop_end) & ~jnp.all(s["done"])
+
+        def body(s):
+            key, sub = jax.random.split(s["key"])
+            tok = sample_tokens(sub, s["logits"], temperature, top_k, top_p, k_cap=self.config.k_cap,
+                                full_vocab=full_vocab)
+            lp = token_log_prob(s["logits"], tok)
+            active = ~s["done"]
+            tokens = s["tokens"].at[:, s["step"]].set(jnp.where(active, tok, 0))
+            logps = s["logps"].at[:, s["step"]].set(jnp.where(active, lp, 0.0))
+            n_gen = s["n_gen"] + active
+            hit_stop = jnp.any(tok[:, None] == stop_ids, axis=-1) & active
+            hit_len = (n_gen >= max_new) & active
+            reason = jnp.where(hit_stop, 1, jnp.where(hit_len, 3, s["reason"]))
+            done = s["done"] | hit_stop | hit_len
+            logits, cache = forward(params, self.cfg, tok[:, None], valid=active[:, None], cache=s["cache"],
+                                    lora=lora, logits_mode="last")
+            return dict(s, key=key, tokens=tokens, logps=logps, n_gen=n_gen, reason=reason, done=done,
+                        logits=logits, cache=cache, step=s["step"] + 1)
+
+        return jax.lax.while_loop(cond, body, state)
+
+    # ------------------------------------------------------------------ host side
+
+    def generate(self, bank, requests: Sequence[Request], *, key: jax.Array, progress=None) -> list[Completion]:
+        """Generate for every request; returns completions in request order."""
+        if not requests:
+            return []
+        for i, r in enumerate(requests):
+            r.validate(i)
+            if r.expert_ids and self.spec is None:
+                raise ValueError(f"requests[{i}] names experts but the sampler has no expert bank spec")
+            if len(r.expert_ids) > self.config.max_active:
+                raise ValueError(f"requests[{i}] has {len(r.expert_ids)} experts > sampler.max_active")
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        out: list[Completion | None] = [None] * len(requests)
+        mb = self.config.max_batch
+        for n, start in enumerate(range(0, len(order), mb)):
+            idx = order[start:start + mb]
+            for i, c in zip(idx, self._generate_batch(bank, [requests[i] for i in idx], jax.random.fold_in(key, n))):
+                out[i] = c
+            if progress is not None:
+                progress(len(idx))
+        return out  # type: ignore[return-value]
+
+    def _generate_batch(self, bank, reqs: list[Request], key) -> list[Completion]:
+        cfg = self.config
+        n = len(reqs)
+        B = _bucket(n, cfg.batch_buckets, "batch")
+        P = _bucket(max(len(r.prompt_ids) for r in reqs), cfg.prompt_buckets, "prompt length")
+        N = _bucket(max(r.max_new_tokens for r in reqs), cfg.new_token_buckets, "max_new_tokens")
+        tokens = np.zeros((B, P), np.int32)
+        valid = np.zeros((B, P), bool)
+        ids = np.zeros((B, cfg.max_active), np.int32)
+        weights = np.zeros((B, cfg.max_active), np.float32)
+        temperature = np.zeros(B, np.float32)
+        top_k = np.zeros(B, np.int32)
+        top_p = np.ones(B, np.float32)
+        max_new = np.ones(B, np.int32)
+        n_stop = max([len(r.stop_token_ids) for r in reqs] + [1])
+        stop_ids = np.full((B, n_stop), -1, np.int32)
+        for i, r in enumerate(reqs):
+            p = np.asarray(r.prompt_ids, np.int32)
+            tokens[i, P - len(p):] = p  # left padding: every row's next token lands at the same slot
+            valid[i, P - len(p):] = True
+            ids[i, :len(r.expert_ids)] = r.expert_ids
+            weights[i, :len(r.expert_weights)] = r.expert_weights
+            temperature[i], top_k[i], top_p[i], max_new[i] = r.temperature, r.top_k, r.top_p, r.max_new_tokens
+            stop_ids[i, :len(r.stop_token_ids)] = r.stop_token_ids
+        done = np.arange(B) >= n  # padding rows never generate
+        full_vocab = any(r.temperature > 0 and r.top_k == 0 and r.top_p >= 1.0 for r in reqs)
+        bank_arg = bank if self.spec is not None else None
+
+        logits, cache = self._prefill(self._params, bank_arg, tokens, valid, ids, weights, cache_len=P + N)
+        state = dict(key=key, logits=logits, cache=cache, step=jnp.zeros((), jnp.int32),
+                     tokens=jnp.zeros((B, N), jnp.int32), logps=jnp.zeros((B, N), jnp.float32),
+                     n_gen=jnp.zeros(B, jnp.int32), reason=jnp.zeros(B, jnp.int32), done=jnp.asarray(done))
+        settings = (jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(max_new),
+                    jnp.asarray(stop_ids))
+        has_strings = any(r.stop_strings for r in reqs)
+        stop_at = np.full(B, -1)  # step index (exclusive) where a stop string completed
+        step = 0
+        tok = self.backbone.tokenizer
+        while step < N:
+            step = min(step + (cfg.chunk if has_strings else N), N)
+            state = self._decode(self._params, bank_arg, state, ids, weights, settings, jnp.int32(step),
+                                 full_vocab=full_vocab)
+            done = np.asarray(state["done"])
+            if has_strings and tok is not None:
+                toks = np.asarray(state["tokens"])
+                n_gen = np.asarray(state["n_gen"])
+                newly = []
+                for i, r in enumerate(reqs):
+                    if stop_at[i] < 0 and r.stop_strings:
+                        cut = _find_stop(tok, toks[i, :n_gen[i]].tolist(), r.stop_strings)
+                        if cut is not None:
+                            stop_at[i] = cut
+                            newly.append(i)
+                if newly:
+                    d = done.copy()
+                    d[newly] = True
+                    state = dict(state, done=jnp.asarray(d))
+                    done = d
+            if done.all():
+                break
+
+        toks = np.asarray(state["tokens"])
+        logps = np.asarray(state["logps"])
+        n_gen = np.asarray(state["n_gen"])
+        reason = np.asarray(state["reason"])
+        out = []
+        for i, r in enumerate(reqs):
+            k = int(n_gen[i]) if stop_at[i] < 0 else int(stop_at[i])
+            ids_i = toks[i, :k].tolist()
+            text = tok.decode(ids_i, skip_special_tokens=True) if tok is not None else ""
+            if stop_at[i] >= 0:
+                finish = "stop"
+                text = _cut_text(text, r.stop_strings)
+            else:
+                finish = {1: "eos", 3: "length"}.get(int(reason[i]), "length")
+            out.append(Completion(ids_i, text, logps[i, :k].copy(), finish, len(r.prompt_ids)))
+        return out
+
+
+def _find_stop(tokenizer, ids: list[int], stop_strings: Sequence[str]) -> int | None:
+    """Smallest k such that decode(ids[:k]) contains a stop string, or None."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if not any(s in text for s in stop_strings):
+        return None
+    lo, hi = 1, len(ids)  # containment is monotone in the prefix length
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in tokenizer.decode(ids[:mid], skip_special_tokens=True) for s in stop_strings):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _cut_text(text: str, stop_strings: Sequence[str]) -> str:
+    cuts = [text.find(s) for s in stop_strings if s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_sampler(backbone: Backbone, spec: ExpertBankSpec | None, config: SamplerConfig) -> Sampler:
+    return Sampler(backbone, spec, config)
+
+
+def generate(backbone: Backbone, experts: tuple[dict, ExpertBankSpec] | None, requests: Sequence[Request], *,
+             key: jax.Array, config: SamplerConfig = SamplerConfig()) -> list[Completion]:
+    """Functional entry point: ``experts`` is (bank, spec) or None. Reuses a cached Sampler."""
+    bank, spec = experts if experts is not None else (None, None)
+    return _cached_sampler(backbone, spec, config).generate(bank, requests, key=key)

@@ -1,0 +1,169 @@
+"""Shared fixtures for the backbone tests.
+
+* ``tiny_hf_model``: builds a small random transformers model (Llama / Qwen3 / Gemma 3), saves it
+  as safetensors without tokenizer files, returns (dir, torch model).
+* ``ref_cache``: an on-disk cache of reference outputs (``~/.cache/morse_jax/test_refs``, or
+  ``$MORSE_JAX_TEST_REFS``) keyed by a hash of everything the output depends on. transformers'
+  GGUF load of SmolLM2 takes 20-30 s; with the cache it happens once per machine.
+* ``smollm2_path`` / ``smollm2_backbone`` / ``smollm2_torch``: the embedded GGUF model, loaded
+  once per session (``smollm2_torch`` only when a reference is not cached yet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+TINY_BASE = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    # Larger than the 0.02 default so attention is peaked and a wrong mask or rotation shows.
+    initializer_range=0.15,
+)
+
+
+def _hf_config(family: str, **overrides):
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+
+    kwargs = {**TINY_BASE, **overrides}
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig}[family]
+    return cls(**kwargs)
+
+
+def build_tiny_torch_model(family: str, seed: int = 0, **overrides):
+    """A random transformers causal LM (float32, eval mode).
+
+    Norm weights and biases get noise: their default init (ones / zeros) would hide a norm applied
+    with the wrong offset or a bias that is dropped.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = _hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+@pytest.fixture
+def tiny_hf_model(tmp_path_factory) -> Callable[..., tuple[Path, Any]]:
+    """Factory: ``make(family, seed=0, save_kwargs=None, **config_overrides) -> (dir, torch_model)``."""
+
+    def make(family: str, seed: int = 0, save_kwargs: dict | None = None, **overrides):
+        model = build_tiny_torch_model(family, seed, **overrides)
+        out = tmp_path_factory.mktemp(f"tiny_{family}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.save_pretrained(out, **(save_kwargs or {}))
+        return out, model
+
+    return make
+
+
+# --------------------------------------------------------------------------- reference cache
+
+
+class RefCache:
+    """npz files under ``root`` named by a hash of ``key`` (a JSON-serialisable dict)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def get(self, name: str, key: dict, compute: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+        path = self.root / f"{name}-{digest}.npz"
+        if path.exists():
+            try:
+                with np.load(path) as f:
+                    return {k: f[k] for k in f.files}
+            except Exception:  # a half-written or corrupt entry: recompute it
+                path.unlink(missing_ok=True)
+        value = {k: np.asarray(v) for k, v in compute().items()}
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, **value)
+        os.replace(tmp, path)
+        return value
+
+
+@pytest.fixture(scope="session")
+def ref_cache() -> RefCache:
+    root = os.environ.get("MORSE_JAX_TEST_REFS") or Path.home() / ".cache" / "morse_jax" / "test_refs"
+    return RefCache(Path(root))
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- embedded SmolLM2
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from morse_jax.models import embedded_model_path
+
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hash(smollm2_path) -> str:
+    return file_sha256(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_backbone(smollm2_path):
+    from morse_jax.models import load_backbone
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_backbone(smollm2_path)
+
+
+class _LazyTorchModel:
+    """transformers' own load of the GGUF, done on first use only (cached references skip it)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._model = None
+
+    def __call__(self):
+        if self._model is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._model = AutoModelForCausalLM.from_pretrained(
+                    str(self.path.parent), gguf_file=self.path.name, dtype=torch.float32).eval()
+        return self._model
+
+
+@pytest.fixture(scope="session")
+def smollm2_torch(smollm2_path) -> _LazyTorchModel:
+    return _LazyTorchModel(smollm2_path)

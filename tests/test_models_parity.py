@@ -99,7 +99,7 @@ def test_tiny_model_parity(case, tiny_hf_model):
     assert cfg.tie_embeddings == bool(hf.tie_word_embeddings)
     assert ("lm_head" in bb.params) == (not hf.tie_word_embeddings)
     n_torch = sum(p.numel() for p in model.parameters())  # tied weights are counted once by torch
-    assert sum(x.size for x in jax.tree.leaves(bb.params)) == n_torch
+    assert sum(x.size for x in jax.tree.leaves(bb.params)) == n_torch == cfg.num_params()
 
 
 def test_sharded_checkpoint_loads(tiny_hf_model):

@@ -174,8 +174,12 @@ class ModelConfig:
 
 
 def _leaves(tree):
+    """Shape tuples of a ``param_shapes`` tree (dicts and tuples of segments, down to int tuples)."""
     if isinstance(tree, dict):
         for v in tree.values():
+            yield from _leaves(v)
+    elif isinstance(tree, (tuple, list)) and not all(isinstance(i, int) for i in tree):
+        for v in tree:
             yield from _leaves(v)
     else:
         yield tree

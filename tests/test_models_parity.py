@@ -84,6 +84,13 @@ CASES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}})),
+    # Gemma 3: linear-scaled global rope (as gemma-3-4b), untied, softcaps, GQA 4, 4 layers.
+    "gemma3-linear-rope-softcap-untied": ("gemma3", dict(
+        head_dim=8, num_key_value_heads=1, num_hidden_layers=4, sliding_window=3, query_pre_attn_scalar=8,
+        tie_word_embeddings=False, final_logit_softcapping=2.0, attn_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e4}})),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -247,6 +248,8 @@ def from_hf_config(hf_config: Any) -> ModelConfig:
         raise ValueError(f"config.json: hidden_activation {act!r} not supported for gemma3")
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ValueError("config.json: Gemma 3 use_bidirectional_attention is not supported")
+    if _get(hf_config, "attn_logit_softcapping") is not None:
+        warnings.warn("config.json: Gemma 3 attn_logit_softcapping is ignored, as in transformers' Gemma 3")
     return ModelConfig(
         **common,
         activation="gelu_tanh",
@@ -259,6 +262,8 @@ def from_hf_config(hf_config: Any) -> ModelConfig:
         sliding_window=int(_get(hf_config, "sliding_window", 4096)),
         rope_full=RopeSpec.from_hf(rope.get("full_attention"), 1_000_000.0),
         rope_sliding=RopeSpec.from_hf(rope.get("sliding_attention"), 10_000.0),
-        attn_logit_softcap=_get(hf_config, "attn_logit_softcapping"),
+        # transformers' Gemma 3 stores attn_logit_softcapping but never applies it (released
+        # checkpoints set it to null); follow the reference implementation, and say so.
+        attn_logit_softcap=None,
         final_logit_softcap=_get(hf_config, "final_logit_softcapping"),
     )

@@ -121,10 +121,16 @@ def gather_lora(bank: dict, spec: ExpertBankSpec, expert_ids: jax.Array, expert_
       LoraInputs. compose="gather": a[t] [L, B, max_active, d_in, r] (each row's experts gathered);
       compose="onehot": a[t] [L, E, d_in, r] with scale [B, E] (all experts, weights scattered) —
       cheaper when E is small relative to the batch. Both give identical deltas.
+
+    An id outside [0, num_experts) is treated as a padding slot in both modes (ids are traced, so
+    they cannot raise here; ``pad_active`` rejects them on the host). Without this, indexing
+    would wrap negative ids and clamp large ones to real experts while one_hot drops them.
     """
     chex.assert_rank([expert_ids, expert_weights], 2)
     chex.assert_equal_shape([expert_ids, expert_weights])
-    w = expert_weights.astype(jnp.float32) * spec.scaling
+    in_range = (expert_ids >= 0) & (expert_ids < spec.num_experts)
+    expert_ids = jnp.where(in_range, expert_ids, 0)
+    w = jnp.where(in_range, expert_weights.astype(jnp.float32), 0.0) * spec.scaling
     if spec.compose == "onehot":
         onehot = jax.nn.one_hot(expert_ids, spec.num_experts, dtype=jnp.float32)  # [B, K, E]
         scale = jnp.einsum("bk,bke->be", w, onehot)
@@ -139,14 +145,24 @@ def gather_lora(bank: dict, spec: ExpertBankSpec, expert_ids: jax.Array, expert_
 # --------------------------------------------------------------------------- active sets
 
 
-def pad_active(sets: Sequence[Sequence[tuple[int, float]]], max_active: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pack per-row [(expert_id, weight), ...] into (int32[B, max_active], float32[B, max_active])."""
+def pad_active(sets: Sequence[Sequence[tuple[int, float]]], max_active: int, *,
+               num_experts: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Pack per-row [(expert_id, weight), ...] into (int32[B, max_active], float32[B, max_active]).
+
+    Rejects negative ids, ids >= ``num_experts`` (when given) and non-finite weights.
+    """
+    if max_active <= 0:
+        raise ValueError(f"max_active must be positive, got {max_active}")
     ids = np.zeros((len(sets), max_active), np.int32)
     weights = np.zeros((len(sets), max_active), np.float32)
     for r, row in enumerate(sets):
         if len(row) > max_active:
             raise ValueError(f"row {r} has {len(row)} active experts, more than max_active={max_active}")
         for j, (e, w) in enumerate(row):
+            if e < 0 or (num_experts is not None and e >= num_experts):
+                raise ValueError(f"row {r}: expert id {e} out of range [0, {num_experts or 'num_experts'})")
+            if not math.isfinite(w):
+                raise ValueError(f"row {r}: expert {e} has non-finite weight {w}")
             ids[r, j], weights[r, j] = e, w
     return ids, weights
 

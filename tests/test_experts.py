@@ -404,6 +404,10 @@ def test_pad_active():
     (dict(targets=("q", "qkv")), "mole.targets"),
     (dict(targets=()), "mole.targets"),
     (dict(compose="dense"), "mole.compose"),
+    (dict(alpha=0.0), "mole.alpha"),
+    (dict(targets="qvo"), "mole.targets must be a sequence"),
+    (dict(targets=("q", "v", "q")), "mole.targets has duplicates"),
+    (dict(role_names=("execute", "execute")), "mole.role_names has duplicates"),
 ])
 def test_spec_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -414,6 +418,8 @@ def test_spec_ids_and_errors():
     spec = ExpertBankSpec(num_subtask=3)
     assert (spec.num_roles, spec.num_experts, spec.scaling) == (2, 5, 2.0)
     hash(spec)  # a jit static argument
+    from_config = ExpertBankSpec(role_names=["execute", "merge"], targets=["q", "v", "o"], num_subtask=3)
+    assert from_config == spec and hash(from_config) == hash(spec)  # lists (from a config) become tuples
     with pytest.raises(ValueError, match="unknown role"):
         spec.role_id("critic")
     with pytest.raises(ValueError, match="out of range"):

@@ -55,6 +55,17 @@ class ExpertBankSpec:
     compose: str = "gather"
 
     def __post_init__(self):
+        # Configs (ml_collections, JSON) hand over lists; a list field would make the spec
+        # unhashable, and it is a jit static argument. A bare string would be split into letters.
+        for name in ("role_names", "targets"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ValueError(f"mole.{name} must be a sequence of names, got the string {value!r}")
+            object.__setattr__(self, name, tuple(value))
+            if len(set(getattr(self, name))) != len(getattr(self, name)):
+                raise ValueError(f"mole.{name} has duplicates: {getattr(self, name)}")
+        if not self.alpha > 0:
+            raise ValueError(f"mole.alpha must be positive, got {self.alpha}")
         if self.rank <= 0:
             raise ValueError(f"mole.rank must be positive, got {self.rank}")
         if self.n_adapt <= 0:

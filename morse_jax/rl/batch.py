@@ -1,0 +1,183 @@
+"""From rollout groups to padded training batches.
+
+A rollout group is one node's (route b, candidate m) samples with rewards u[b, m] (see
+``morse_jax.tomas.orchestrator.RolloutGroup``). Advantages are computed per group on the host
+(``hgrpo`` or ``grpo``), then every candidate becomes a :class:`SequenceExample` (LoRA loss) and
+every sampled route a :class:`RouteExample` (router loss). Padding to bucketed shapes happens here
+so the jitted update compiles a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from morse_jax.rl.hgrpo import check_rewards, get_advantage_fn
+
+ROUTER_MAX_TOKENS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceExample:
+    """One candidate: prompt + completion under its route's expert set, with its advantage."""
+
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    behaviour_logprobs: np.ndarray  # float32[len(completion_ids)]
+    expert_ids: Sequence[int]
+    expert_weights: Sequence[float]
+    advantage: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteExample:
+    """One sampled route: the subtask description tokens, the set drawn and its advantage."""
+
+    description_ids: Sequence[int]
+    members: Sequence[int]  # router expert indices, len k
+    behaviour_set_logp: float
+    advantage: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupStats:
+    reward_mean: float
+    reward_std: float
+    groups: int
+    skipped_within: float  # fraction of routes whose within-group std was below min_std
+    skipped_cross: float  # fraction of groups (with >1 route) whose cross std was below min_std
+
+
+def encode_descriptions(tokenizer: Any, descriptions: Sequence[str], max_tokens: int = ROUTER_MAX_TOKENS):
+    """Router input: the first ``max_tokens`` tokens of each description (no special tokens).
+
+    Returns (ids int32[N, max_tokens], mask bool[N, max_tokens]); right-padded.
+    """
+    ids = np.zeros((len(descriptions), max_tokens), np.int32)
+    mask = np.zeros((len(descriptions), max_tokens), bool)
+    for i, d in enumerate(descriptions):
+        toks = tokenizer(d, add_special_tokens=False)["input_ids"][:max_tokens] if tokenizer is not None else []
+        ids[i, :len(toks)] = toks
+        mask[i, :len(toks)] = True
+    return ids, mask
+
+
+def examples_from_groups(groups: Sequence[Any], *, advantage: str = "hgrpo", description_ids=None,
+                         eps: float = 1e-6, clip: float = 5.0, min_std: float = 5e-4):
+    """Advantages per group, then flattened examples.
+
+    Args:
+      groups: objects with ``rewards`` float[B, M], ``candidates`` [B][M] (each with prompt_ids,
+        token_ids, logprobs, expert_ids, expert_weights), ``routes`` (B tuples, empty when the
+        group has no router decision), ``route_set_logp_old`` float[B], ``description``.
+      advantage: "hgrpo" or "grpo" (flat: one credit group over all B*M candidates).
+      description_ids: callable description -> token ids (router input), needed when routes exist.
+    Returns:
+      (list[SequenceExample], list[RouteExample], GroupStats)
+    """
+    fn = get_advantage_fn(advantage)
+    seqs, routes = [], []
+    all_rewards, skipped_w, n_routes, skipped_c, n_cross = [], 0, 0, 0, 0
+    for g in groups:
+        rewards = np.asarray(g.rewards, np.float32)
+        check_rewards(rewards, name=f"rewards of group {getattr(g, 'node_id', '?')}", min_ndim=2)
+        adv = fn(rewards, eps=eps, clip=clip, min_std=min_std)
+        within, cross = np.asarray(adv.within), np.asarray(adv.cross)
+        all_rewards.append(rewards.ravel())
+        skipped_w += int((~np.asarray(adv.within_valid)).sum())
+        n_routes += rewards.shape[0]
+        if rewards.shape[0] > 1:
+            n_cross += 1
+            skipped_c += int(not bool(adv.cross_valid))
+        for b, row in enumerate(g.candidates):
+            for m, c in enumerate(row):
+                if within[b, m] == 0.0:
+                    continue  # no gradient signal; skip the compute
+                seqs.append(SequenceExample(list(c.prompt_ids), list(c.token_ids),
+                                            np.asarray(c.logprobs, np.float32), list(c.expert_ids),
+                                            list(c.expert_weights), float(within[b, m])))
+        if getattr(g, "routes", None) and len(g.routes) == rewards.shape[0] and g.routes[0]:
+            if description_ids is None:
+                raise ValueError("examples_from_groups: description_ids is required for groups with routes")
+            desc = description_ids(g.description)
+            for b, members in enumerate(g.routes):
+                if cross[b] != 0.0:
+                    routes.append(RouteExample(desc, tuple(int(x) for x in members),
+                                               float(g.route_set_logp_old[b]), float(cross[b])))
+    flat = np.concatenate(all_rewards) if all_rewards else np.zeros(0, np.float32)
+    stats = GroupStats(
+        reward_mean=float(flat.mean()) if flat.size else 0.0,
+        reward_std=float(flat.std()) if flat.size else 0.0,
+        groups=len(groups),
+        skipped_within=skipped_w / max(n_routes, 1),
+        skipped_cross=skipped_c / max(n_cross, 1),
+    )
+    return seqs, routes, stats
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return int(np.ceil(n / buckets[-1]) * buckets[-1])
+
+
+def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buckets: Sequence[int],
+                  max_active: int, scale: float = 1.0) -> dict[str, np.ndarray]:
+    """Right-padded teacher-forcing batch.
+
+    Position t predicts token t+1; ``target_mask[n, t]`` is 1 where token t+1 was generated.
+    Returns tokens int32[R, L], valid bool[R, L], targets int32[R, L], target_mask f32[R, L],
+    old_logp f32[R, L], advantages f32[R] (times ``scale``), expert_ids int32[R, A],
+    expert_weights f32[R, A]. Rows beyond len(examples) are padding (zero advantage and mask).
+    """
+    if len(examples) > rows:
+        raise ValueError(f"{len(examples)} examples do not fit in {rows} rows")
+    longest = max([len(e.prompt_ids) + len(e.completion_ids) for e in examples] + [1])
+    L = _bucket(longest, length_buckets)
+    out = {
+        "tokens": np.zeros((rows, L), np.int32), "valid": np.zeros((rows, L), bool),
+        "targets": np.zeros((rows, L), np.int32), "target_mask": np.zeros((rows, L), np.float32),
+        "old_logp": np.zeros((rows, L), np.float32), "advantages": np.zeros(rows, np.float32),
+        "expert_ids": np.zeros((rows, max_active), np.int32),
+        "expert_weights": np.zeros((rows, max_active), np.float32),
+    }
+    for i, e in enumerate(examples):
+        p, c = list(e.prompt_ids), list(e.completion_ids)
+        if len(e.behaviour_logprobs) != len(c):
+            raise ValueError(f"example {i}: {len(e.behaviour_logprobs)} behaviour log-probs for {len(c)} tokens")
+        seq = p + c
+        n = len(seq)
+        out["tokens"][i, :n] = seq
+        out["valid"][i, :n] = True
+        out["targets"][i, :n - 1] = seq[1:]
+        out["target_mask"][i, len(p) - 1:n - 1] = 1.0
+        out["old_logp"][i, len(p) - 1:n - 1] = e.behaviour_logprobs
+        out["advantages"][i] = e.advantage * scale
+        out["expert_ids"][i, :len(e.expert_ids)] = e.expert_ids
+        out["expert_weights"][i, :len(e.expert_weights)] = e.expert_weights
+    return out
+
+
+def pad_routes(examples: Sequence[RouteExample], *, rows: int, k: int, scale: float = 1.0,
+               max_tokens: int = ROUTER_MAX_TOKENS) -> dict[str, np.ndarray]:
+    """Router batch: desc_ids int32[R, T], desc_mask bool[R, T], members int32[R, k],
+    old_set_logp f32[R], advantages f32[R], row_mask f32[R]."""
+    out = {
+        "desc_ids": np.zeros((rows, max_tokens), np.int32), "desc_mask": np.zeros((rows, max_tokens), bool),
+        "members": np.tile(np.arange(k, dtype=np.int32), (rows, 1)), "old_set_logp": np.zeros(rows, np.float32),
+        "advantages": np.zeros(rows, np.float32), "row_mask": np.zeros(rows, np.float32),
+    }
+    for i, e in enumerate(examples):
+        if len(e.members) != k:
+            raise ValueError(f"route example {i} has {len(e.members)} members, expected k={k}")
+        d = list(e.description_ids)[:max_tokens]
+        out["desc_ids"][i, :len(d)] = d
+        out["desc_mask"][i, :len(d)] = True
+        out["members"][i] = e.members
+        out["old_set_logp"][i] = e.behaviour_set_logp
+        out["advantages"][i] = e.advantage * scale
+        out["row_mask"][i] = 1.0
+    return out

@@ -167,3 +167,77 @@ class _LazyTorchModel:
 @pytest.fixture(scope="session")
 def smollm2_torch(smollm2_path) -> _LazyTorchModel:
     return _LazyTorchModel(smollm2_path)
+
+
+# --------------------------------------------------------------------------- tiny GGUF files
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The Q/K row permutation llama.cpp's convert_hf_to_gguf.py applies to Llama weights."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(path: Path, model, *, arch: str = "llama", quant: str = "F32", drop: tuple[str, ...] = (),
+                     reshape: dict[str, tuple[int, ...]] | None = None) -> Path:
+    """Write a transformers Llama model as a GGUF file the way llama.cpp's converter lays it out.
+
+    ``quant``: "F32" or "Q8_0" for the 2-D weights; ``drop`` omits GGUF tensors by name;
+    ``reshape`` stores a tensor (by GGUF name) with another torch-layout shape (a corrupt file).
+    """
+    import gguf
+
+    c = model.config
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = [("input_layernorm", "attn_norm"), ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+                 ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"), ("mlp.gate_proj", "ffn_gate"),
+                 ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down"), ("post_attention_layernorm", "ffn_norm")]
+    for i in range(c.num_hidden_layers):
+        for hf, ours in per_layer:
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}.weight"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+    writer.add_vocab_size(c.vocab_size)
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if c.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for hf_name, w in state.items():
+        name = names[hf_name]
+        if name in drop:
+            continue
+        if ".attn_q." in name:
+            w = _llama_cpp_permute(w, c.num_attention_heads)
+        elif ".attn_k." in name:
+            w = _llama_cpp_permute(w, c.num_key_value_heads)
+        if reshape and name in reshape:
+            w = np.resize(w, reshape[name])
+        w = np.ascontiguousarray(w, np.float32)
+        if quant == "Q8_0" and w.ndim == 2 and w.shape[-1] % 32 == 0:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_shape=w.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path_factory) -> Callable[..., tuple[Path, Any]]:
+    """Factory: ``make(seed=0, gguf_kwargs=None, **llama_overrides) -> (file.gguf, torch_model)``."""
+
+    def make(seed: int = 0, gguf_kwargs: dict | None = None, **overrides):
+        model = build_tiny_torch_model("llama", seed, **overrides)
+        path = tmp_path_factory.mktemp("tiny_gguf") / "tiny.gguf"
+        return write_llama_gguf(path, model, **(gguf_kwargs or {})), model
+
+    return make

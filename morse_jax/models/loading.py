@@ -91,18 +91,29 @@ _GGUF_LAYER_NAMES = {
 
 
 def _assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], top: dict[str, str],
-              layer_names: dict[str, str], source: str, dtype) -> dict:
-    """Build the stacked param pytree, fetching tensors (in torch [out, in] layout) with ``get``."""
+              layer_names: dict[str, str], source: str, dtype,
+              locate: Callable[[str], str] | None = None) -> dict:
+    """Build the stacked param pytree, fetching tensors (in torch [out, in] layout) with ``get``.
+
+    ``locate(name)`` names the file holding a tensor in error messages (default: ``source``).
+    """
     shapes = param_shapes(cfg)
     layer_shapes = shapes["layers"][0]
     np_dtype = jnp.dtype(dtype)  # a numpy dtype (ml_dtypes for bfloat16)
+    locate = locate or (lambda name: source)
 
     def fetch(name: str, want: tuple[int, ...], transpose: bool) -> np.ndarray:
         arr = get(name)
+        # An integer tensor of the right shape is a quantised checkpoint (or a corrupt one);
+        # casting it to float would load garbage without a word.
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise WeightLoadError(f"{locate(name)}: tensor {name!r} has dtype {arr.dtype}, expected a float type "
+                                  "(quantised safetensors checkpoints are not supported)")
         if transpose:
             arr = arr.T
         if tuple(arr.shape) != tuple(want):
-            raise WeightLoadError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(want)}")
+            raise WeightLoadError(
+                f"{locate(name)}: tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(want)}")
         return np.asarray(arr, dtype=np.float32).astype(np_dtype)
 
     total = len(top) + cfg.num_layers * len(layer_names)
@@ -197,7 +208,7 @@ def _load_hf_dir(path: Path, dtype) -> tuple[ModelConfig, dict]:
         lm = "lm_head.weight" if "lm_head.weight" in where else prefix.replace("model.", "", 1) + "lm_head.weight"
         top["lm_head"] = lm
     layer_names = {k: prefix + v for k, v in _hf_layer_names(cfg).items()}
-    params = _assemble(cfg, get, top, layer_names, str(path), dtype)
+    params = _assemble(cfg, get, top, layer_names, str(path), dtype, locate=lambda n: str(where.get(n, path)))
     unused = sorted(n for n in where if n not in used and n.startswith(prefix) and "rotary" not in n)
     if unused:
         warnings.warn(f"{path}: {len(unused)} tensors not used by the text backbone, e.g. {unused[:3]}")

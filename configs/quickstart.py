@@ -1,0 +1,33 @@
+"""Quickstart: the whole MoRSE loop offline on 2 CPU cores in a few minutes.
+
+The embedded SmolLM2-135M-Instruct GGUF, scorable SciCode development problems (targets rebuilt
+from their ground-truth code), small B / M / token budgets, two HGRPO steps, evaluation, a
+checkpoint and a report in runs/quickstart. Running it again resumes from the checkpoint;
+add --config.fresh=True (or delete runs/quickstart) to start over.
+"""
+
+from morse_jax.default_config import get_config as defaults
+
+
+def get_config():
+    c = defaults()
+    c.mode = "train"
+    c.variant = "D"
+    c.workdir = "runs/quickstart"
+    c.model.path = "embedded"
+    c.data.family = "scicode"
+    c.data.train = "package:dev"
+    c.data.eval = "package:dev"
+    c.data.train_ids = ("19", "38")
+    c.data.eval_ids = ("4", "19")
+    c.data.tasks_per_step = 2
+    c.rollout.routes = 2
+    c.rollout.candidates = 2
+    c.rollout.max_attempts = 2
+    c.rollout.max_new_tokens = 160
+    c.rollout.eval_max_new_tokens = 160
+    c.rollout.temperature = 0.8
+    c.train.steps = 2
+    c.train.micro_batch = 4
+    c.train.lora_lr = 1e-4
+    return c

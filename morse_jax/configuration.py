@@ -1,0 +1,98 @@
+"""Validate a resolved config before anything heavy starts; every error is one line naming the field."""
+
+from __future__ import annotations
+
+import numbers
+from pathlib import Path
+
+import ml_collections
+
+from morse_jax.default_config import MODES, VARIANTS, get_config as defaults
+
+
+class ConfigError(ValueError):
+    """A config field is unknown, of the wrong type, out of range, or names a missing path."""
+
+
+def _walk(cfg, ref, prefix="config"):
+    for key in cfg.keys():
+        name = f"{prefix}.{key}"
+        if key not in ref:
+            raise ConfigError(f"{name}: unknown field (known: {', '.join(sorted(ref.keys()))})")
+        value, want = cfg[key], ref[key]
+        if isinstance(want, ml_collections.ConfigDict):
+            if not isinstance(value, ml_collections.ConfigDict):
+                raise ConfigError(f"{name}: must be a group of fields, got {type(value).__name__}")
+            _walk(value, want, name)
+        elif isinstance(want, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name}: must be a bool, got {value!r}")
+        elif isinstance(want, numbers.Integral):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(f"{name}: must be an int, got {value!r}")
+        elif isinstance(want, numbers.Real):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ConfigError(f"{name}: must be a number, got {value!r}")
+        elif isinstance(want, str):
+            if not isinstance(value, str):
+                raise ConfigError(f"{name}: must be a string, got {value!r}")
+        elif isinstance(want, (tuple, list)):
+            if not isinstance(value, (tuple, list)):
+                raise ConfigError(f"{name}: must be a list, got {value!r}")
+
+
+def _positive(cfg, *names):
+    for n in names:
+        group, field = n.split(".")
+        v = cfg[group][field]
+        if v < 1:
+            raise ConfigError(f"config.{n}: must be >= 1, got {v}")
+
+
+def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
+    """Raise ConfigError (one line, naming the field) unless the config is usable."""
+    _walk(cfg, defaults())
+    if cfg.mode not in MODES:
+        raise ConfigError(f"config.mode: must be one of {MODES}, got {cfg.mode!r}")
+    if cfg.variant not in VARIANTS:
+        raise ConfigError(f"config.variant: must be one of {sorted(VARIANTS)}, got {cfg.variant!r}")
+    _positive(cfg, "rollout.routes", "rollout.candidates", "rollout.max_attempts", "rollout.max_new_tokens",
+              "rollout.eval_max_new_tokens", "mole.rank", "mole.n_adapt", "mole.top_k", "train.micro_batch",
+              "train.checkpoint_every", "data.tasks_per_step", "sampler.max_batch")
+    if cfg.train.steps < 0:
+        raise ConfigError(f"config.train.steps: must be >= 0, got {cfg.train.steps}")
+    if cfg.mole.top_k > cfg.mole.num_subtask and VARIANTS[cfg.variant][0] in ("mole", "flat_mole"):
+        raise ConfigError(f"config.mole.top_k: {cfg.mole.top_k} exceeds config.mole.num_subtask={cfg.mole.num_subtask}")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"config.rollout.top_p: must be in (0, 1], got {cfg.rollout.top_p}")
+    for name in ("lora_lr", "router_lr"):
+        if cfg.train[name] <= 0:
+            raise ConfigError(f"config.train.{name}: must be > 0, got {cfg.train[name]}")
+    if cfg.data.family not in ("scicode", "srdd"):
+        raise ConfigError(f"config.data.family: must be 'scicode' or 'srdd', got {cfg.data.family!r}")
+    if cfg.mode in ("solve", "plan") and not cfg.task.strip():
+        raise ConfigError(f"config.task: mode={cfg.mode} needs a task description (--config.task=\"...\")")
+    if not check_paths:
+        return
+    if cfg.model.path != "embedded" and not Path(cfg.model.path).expanduser().exists():
+        raise ConfigError(f"config.model.path: {cfg.model.path} does not exist")
+    if cfg.model.path == "embedded":
+        from morse_jax.models.loading import embedded_model_path
+
+        try:
+            embedded_model_path()
+        except FileNotFoundError as e:
+            raise ConfigError(f"config.model.path: {e}") from e
+    if cfg.mode in ("train", "eval", "diagnose"):
+        for field in ("train", "eval"):
+            src = cfg.data[field]
+            if not src or src.startswith("package:"):
+                continue
+            p = Path(src).expanduser()
+            if p.suffix in (".jsonl", ".csv"):
+                if not p.exists():
+                    raise ConfigError(f"config.data.{field}: file {src} does not exist")
+            elif not Path(cfg.data.dir).expanduser().exists():
+                raise ConfigError(f"config.data.dir: {cfg.data.dir} does not exist (needed for split {src!r})")
+    if cfg.data.scicode_h5 and not Path(cfg.data.scicode_h5).expanduser().exists():
+        raise ConfigError(f"config.data.scicode_h5: {cfg.data.scicode_h5} does not exist")

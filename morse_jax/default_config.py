@@ -1,0 +1,103 @@
+"""Every config field with its default and its meaning. Config files in ``configs/`` start from here.
+
+Override any field on the command line: ``--config.train.steps=3 --config.model.path=/ckpt/Qwen3-4B``.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+MODES = ("train", "eval", "plan", "solve", "diagnose")
+VARIANTS = {
+    # name: (orchestrator variant, advantage fn, trains?)
+    "A": ("mole", "hgrpo", False),  # untrained MoRSE (framework only)
+    "B": ("single_lora", "grpo", True),  # one fixed LoRA, rank 24, flat GRPO
+    "B++": ("single_lora", "grpo", True),  # one fixed LoRA, rank 48, flat GRPO
+    "C": ("flat_mole", "grpo", True),  # MoLE + flat GRPO (every candidate its own route)
+    "D": ("mole", "hgrpo", True),  # MoLE + HGRPO (MoRSE)
+    "single_agent": ("mole", "hgrpo", False),  # no DAG: one call per task, same budget
+    "base": ("none", "grpo", False),  # the backbone alone, no adapters
+}
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.mode = "train"  # one of MODES
+    c.variant = "D"  # one of VARIANTS
+    c.workdir = "runs/default"  # checkpoints, metrics, report; an existing run there is resumed
+    c.fresh = False  # True: ignore checkpoints in workdir and start over
+    c.seed = 0
+    c.task = ""  # free-text task for mode=solve / plan
+
+    c.model = ml_collections.ConfigDict()
+    c.model.path = "embedded"  # HF safetensors dir, a .gguf file, or "embedded" (SmolLM2-135M GGUF)
+    c.model.dtype = "float32"  # float32 on CPU, bfloat16 on GPU
+
+    c.data = ml_collections.ConfigDict()
+    c.data.family = "scicode"  # scicode | srdd
+    c.data.dir = "../shared/data/morse-reference"  # reference splits (SciCode JSONL, SRDD CSV)
+    c.data.train = "package:dev"  # split name, "package:dev"/"package:all" (SciCode), or a file path
+    c.data.eval = "package:dev"
+    c.data.train_ids = ()  # restrict to these task ids (empty = all usable)
+    c.data.eval_ids = ()
+    c.data.max_train_tasks = 0  # 0 = no limit
+    c.data.max_eval_tasks = 0
+    c.data.tasks_per_step = 2  # tasks rolled out per HGRPO step
+    c.data.scicode_h5 = ""  # official test_data.h5 (optional); else targets rebuilt from ground truth
+    c.data.cache_dir = ""  # rebuilt SciCode targets; default <workdir>/../.cache/scicode
+    c.data.skip_slow_steps = True  # leave out SciCode steps known to take > 15 s
+
+    c.mole = ml_collections.ConfigDict()
+    c.mole.num_subtask = 4  # K_s
+    c.mole.rank = 8  # rho
+    c.mole.alpha = 16.0
+    c.mole.n_adapt = 8  # L_adapt: last blocks carrying experts
+    c.mole.targets = ("q", "v", "o")
+    c.mole.top_k = 2  # K routed experts per execute call
+    c.mole.compose = "gather"  # gather | onehot (see bench/lora_compose.py)
+    c.mole.merge_mode = "union"  # union | random_subset
+    c.mole.single_rank = 24  # rank of the single LoRA for variant B (B++: 48)
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.routes = 4  # B
+    c.rollout.candidates = 4  # M
+    c.rollout.max_attempts = 3
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 0.95
+    c.rollout.max_new_tokens = 1024
+    c.rollout.eval_temperature = 0.0
+    c.rollout.eval_max_new_tokens = 1024
+    c.rollout.planner_max_new_tokens = 512
+    c.rollout.min_nodes = 2
+    c.rollout.max_nodes = 8
+    c.rollout.max_replans = 2
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 100
+    c.train.lora_lr = 8e-5
+    c.train.router_lr = 3e-5
+    c.train.weight_decay = 0.01
+    c.train.max_grad_norm = 1.0
+    c.train.ppo_eps = 0.2
+    c.train.alpha_pi = 0.15
+    c.train.entropy_weight = 0.02
+    c.train.orthogonality_weight = 0.05
+    c.train.kl_beta = 0.0
+    c.train.approx_set_logp = False  # the authors' sum-of-log-probs router likelihood
+    c.train.micro_batch = 4
+    c.train.min_std = 5e-4
+    c.train.clip_advantage = 5.0
+    c.train.checkpoint_every = 1
+    c.train.keep_checkpoints = 3
+    c.train.eval_every = 0  # 0 = only at the end
+
+    c.sampler = ml_collections.ConfigDict()
+    c.sampler.max_batch = 16
+    c.sampler.chunk = 32
+
+    c.parallel = ml_collections.ConfigDict()
+    c.parallel.mesh = (-1, 1, 1)  # (data, fsdp, tensor); -1 fills with the remaining devices
+    c.parallel.coordinator = ""  # host:port for jax.distributed.initialize (empty: from env / single)
+    c.parallel.num_processes = 0
+    c.parallel.process_id = -1
+    return c

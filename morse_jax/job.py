@@ -1,0 +1,277 @@
+"""The main job: wires backbone, experts, router, sampler, orchestrator, trainer and checkpoints.
+
+``Job(cfg)`` builds everything from a validated config; ``train()``, ``evaluate()``, ``solve()``
+and ``plan()`` are the modes. The orchestrator decides *what* runs; the sampler and trainer do
+the numbers in jitted functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from morse_jax.checkpoint import Checkpointer
+from morse_jax.default_config import VARIANTS
+from morse_jax.models import load_backbone
+from morse_jax.models.chat import encode_chat, stop_token_ids
+from morse_jax.models.loading import embedded_model_path
+from morse_jax.mole import router as rt
+from morse_jax.mole.experts import ExpertBankSpec
+from morse_jax.rl.batch import encode_descriptions, examples_from_groups
+from morse_jax.rl.train_step import Trainer, TrainConfig, init_trainable
+from morse_jax.sampling.generate import Sampler, SamplerConfig
+from morse_jax.tasks.base import Task
+from morse_jax.tomas.orchestrator import Orchestrator
+from morse_jax.tomas.rollout import OrchestratorConfig, RouteDraw, RunResult, SamplingSettings
+from morse_jax.metrics_log import MetricsWriter
+
+log = logging.getLogger("morse_jax.job")
+
+
+def resolve_model_path(path: str) -> Path:
+    return embedded_model_path() if path == "embedded" else Path(path).expanduser()
+
+
+def bank_spec(cfg) -> ExpertBankSpec | None:
+    """Expert-bank layout for the config's variant."""
+    orch_variant = VARIANTS[cfg.variant][0]
+    common = dict(n_adapt=cfg.mole.n_adapt, targets=tuple(cfg.mole.targets), compose=cfg.mole.compose)
+    if orch_variant == "none":
+        return None
+    if orch_variant == "single_lora":
+        rank = 48 if cfg.variant == "B++" else cfg.mole.single_rank
+        return ExpertBankSpec(role_names=("single",), num_subtask=0, rank=rank, alpha=2.0 * rank, **common)
+    return ExpertBankSpec(num_subtask=cfg.mole.num_subtask, rank=cfg.mole.rank, alpha=cfg.mole.alpha, **common)
+
+
+def train_config(cfg) -> TrainConfig:
+    t = cfg.train
+    return TrainConfig(lora_lr=t.lora_lr, router_lr=t.router_lr, weight_decay=t.weight_decay,
+                       max_grad_norm=t.max_grad_norm or None, ppo_eps=t.ppo_eps, alpha_pi=t.alpha_pi,
+                       entropy_weight=t.entropy_weight, orthogonality_weight=t.orthogonality_weight,
+                       kl_beta=t.kl_beta, approx_set_logp=t.approx_set_logp, router_k=cfg.mole.top_k,
+                       micro_batch=t.micro_batch, max_active=1 + cfg.mole.num_subtask)
+
+
+class Job:
+    """Everything one run needs. ``log_fn`` receives human-readable progress lines."""
+
+    def __init__(self, cfg, *, load_tasks: bool = True):
+        self.cfg = cfg
+        self.workdir = Path(cfg.workdir).expanduser()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.variant = cfg.variant
+        self.orch_variant, self.advantage, self.trains = VARIANTS[cfg.variant]
+        t0 = time.time()
+        dtype = jnp.dtype(cfg.model.dtype)
+        self.backbone = load_backbone(resolve_model_path(cfg.model.path), dtype)
+        if self.backbone.tokenizer is None:
+            raise ValueError(f"config.model.path: {cfg.model.path} has no tokenizer; the job needs one")
+        log.info("backbone loaded in %.1fs", time.time() - t0)
+        self.spec = bank_spec(cfg)
+        self.tcfg = train_config(cfg)
+        self.key = jax.random.key(cfg.seed)
+        self.key, k_init = jax.random.split(self.key)
+        self.trainable = None
+        if self.spec is not None:
+            self.trainable = init_trainable(k_init, self.backbone.config, self.spec, self.tcfg, dtype)
+        max_active = 1 + (self.spec.num_subtask if self.spec is not None else 0)
+        self.sampler = Sampler(self.backbone, self.spec,
+                               SamplerConfig(max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk,
+                                             max_active=max(max_active, 1)))
+        self.stop_ids = stop_token_ids(self.backbone.tokenizer, self.backbone.config.eos_token_ids)
+        self._route_jit = jax.jit(self._route_impl, static_argnames=("num_samples", "greedy"))
+        self.family = None
+        self.train_tasks: list[Task] = []
+        self.eval_tasks: list[Task] = []
+        if load_tasks:
+            from morse_jax.tasks.registry import build_family, load_task_splits
+
+            self.family = build_family(cfg, self.workdir)
+            self.train_tasks, self.eval_tasks = load_task_splits(cfg, self.family)
+
+    # ------------------------------------------------------------------ injected callables
+
+    def next_key(self) -> jax.Array:
+        self.key, sub = jax.random.split(self.key)
+        return sub
+
+    def encode(self, messages) -> list[int]:
+        return encode_chat(self.backbone.tokenizer, messages)
+
+    def generate(self, requests):
+        bank = self.trainable["bank"] if self.trainable is not None else None
+        bar = tqdm(total=len(requests), desc="generate", unit="call", leave=False, disable=None)
+        try:
+            return self.sampler.generate(bank, requests, key=self.next_key(), progress=bar.update)
+        finally:
+            bar.close()
+
+    def _route_impl(self, router, embed, ids, mask, key, *, num_samples, greedy):
+        emb = rt.subtask_embedding(embed, ids, mask)
+        probs = rt.router_probs(router, emb, temperature=1.0)
+        k = self.cfg.mole.top_k
+        set_fn = rt.approx_set_log_prob if self.cfg.train.approx_set_logp else rt.set_log_prob
+        if greedy:
+            members = rt.greedy_route(probs, k)[:, None]
+        else:
+            members = jnp.stack([rt.sample_route(kk, probs, k) for kk in jax.random.split(key, num_samples)], 1)
+        n, s = members.shape[:2]
+        set_logp = set_fn(jnp.repeat(probs, s, axis=0), members.reshape(n * s, k)).reshape(n, s)
+        return members, set_logp, probs
+
+    def route(self, descriptions: Sequence[str], *, num_samples: int, greedy: bool) -> RouteDraw:
+        ids, mask = encode_descriptions(self.backbone.tokenizer, descriptions)
+        members, set_logp, probs = self._route_jit(self.trainable["router"], self.sampler._params["embed"], ids,
+                                                   mask, self.next_key(), num_samples=num_samples, greedy=greedy)
+        return RouteDraw(np.asarray(members), np.asarray(set_logp), np.asarray(probs))
+
+    def description_ids(self, description: str) -> list[int]:
+        ids, mask = encode_descriptions(self.backbone.tokenizer, [description])
+        return ids[0, :mask[0].sum()].tolist()
+
+    def orchestrator(self, mode: str, *, single_agent: bool | None = None) -> Orchestrator:
+        r = self.cfg.rollout
+        variant = self.orch_variant
+        if mode == "train" and not self.trains:
+            raise ValueError(f"config.variant={self.variant!r} does not train; use config.mode=eval")
+        ocfg = OrchestratorConfig(
+            mode=mode, variant=variant, routes_per_node=r.routes, candidates_per_route=r.candidates,
+            top_k=self.cfg.mole.top_k, max_attempts=r.max_attempts, merge_mode=self.cfg.mole.merge_mode,
+            single_agent=(self.variant == "single_agent") if single_agent is None else single_agent,
+            train_sampling=SamplingSettings(r.temperature, r.top_p, r.max_new_tokens),
+            eval_sampling=SamplingSettings(r.eval_temperature, 1.0, r.eval_max_new_tokens),
+            planner_sampling=SamplingSettings(0.0, 1.0, r.planner_max_new_tokens),
+            stop_token_ids=self.stop_ids, min_nodes=r.min_nodes, max_nodes=r.max_nodes,
+            max_replans=r.max_replans, seed=self.cfg.seed)
+        families = {self.family.name: self.family} if self.family is not None else {}
+        route_fn = self.route if variant in ("mole", "flat_mole") else None
+        return Orchestrator(families, self.spec, self.generate, route_fn, self.encode, ocfg)
+
+    # ------------------------------------------------------------------ modes
+
+    def run_tasks(self, tasks: Sequence[Task], mode: str, desc: str) -> RunResult:
+        orch = self.orchestrator(mode)
+        bar = tqdm(desc=desc, unit="wave", leave=False, disable=None)
+
+        def progress(stats):
+            bar.update(1)
+            bar.set_postfix_str(f"requests={getattr(stats, 'requests', '?')}")
+
+        try:
+            return orch.run(tasks, progress=progress)
+        finally:
+            bar.close()
+
+    def train(self, writer: MetricsWriter) -> dict:
+        """HGRPO training with checkpoints; resumes from the work directory unless config.fresh."""
+        cfg = self.cfg
+        if not self.trains:
+            return {"steps": 0}
+        if not self.train_tasks:
+            raise ValueError("config.data.train: no training tasks were loaded")
+        trainer = Trainer(self.backbone.config, self.backbone.params, self.spec, self.tcfg)
+        opt_state = trainer.init_opt_state(self.trainable)
+        ckpt = Checkpointer(self.workdir / "checkpoints", max_to_keep=cfg.train.keep_checkpoints,
+                            frozen=self.backbone.params)
+        start, cursor = 0, 0
+        if not cfg.fresh:
+            target = {"trainable": self.trainable, "opt_state": opt_state, "key": self.key}
+            restored = ckpt.restore_latest_valid(target)
+            if restored is not None:
+                self.trainable = restored.state["trainable"]
+                opt_state = restored.state["opt_state"]
+                self.key = restored.state["key"]
+                start = int(restored.metadata["step"])
+                cursor = int(restored.metadata["data_cursor"])
+                print(f"resumed from {ckpt.workdir} at step {start} (set --config.fresh=True to start over)")
+        steps = cfg.train.steps
+        n_tasks = len(self.train_tasks)
+        bar = tqdm(range(start, steps), desc=f"train {self.variant}", unit="step", initial=start, total=steps,
+                   disable=None)
+        last = {}
+        for step in bar:
+            tasks = [self.train_tasks[(cursor + i) % n_tasks] for i in range(min(cfg.data.tasks_per_step, n_tasks))]
+            cursor = (cursor + len(tasks)) % n_tasks
+            t0 = time.time()
+            result = self.run_tasks(tasks, "train", f"rollout {step + 1}")
+            t_roll = time.time() - t0
+            seqs, routes, stats = examples_from_groups(result.groups, advantage=self.advantage,
+                                                       description_ids=self.description_ids,
+                                                       clip=cfg.train.clip_advantage, min_std=cfg.train.min_std)
+            t0 = time.time()
+            self.trainable, opt_state, m = trainer.update(self.trainable, opt_state, seqs, routes,
+                                                          num_groups=max(len(result.groups), 1),
+                                                          reinforce=(step == 0))
+            t_upd = time.time() - t0
+            usage = m.pop("expert_usage", None)
+            last = {"step": step + 1, "reward_mean": stats.reward_mean, "reward_std": stats.reward_std,
+                    "groups": stats.groups, "skipped_within": stats.skipped_within,
+                    "skipped_cross": stats.skipped_cross, "sequences": len(seqs), "routes": len(routes),
+                    "nodes_passed": _count(result, "passed"), "nodes_total": _count(result, None),
+                    "rollout_s": t_roll, "update_s": t_upd, "waves": result.counters.waves,
+                    "generate_calls": result.counters.generate_calls, **m}
+            if usage is not None:
+                last["expert_usage"] = usage
+            last["router_probs"] = _router_probs(result)
+            writer.write(last, step=step + 1, kind="train")
+            bar.set_postfix(reward=f"{stats.reward_mean:.3f}", skipped=f"{stats.skipped_within:.2f}")
+            if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == steps:
+                ckpt.save(step + 1, {"trainable": self.trainable, "opt_state": opt_state, "key": self.key},
+                          metadata={"step": step + 1, "data_cursor": cursor, "variant": self.variant,
+                                    "config": cfg.to_json()})
+        ckpt.wait()
+        ckpt.close()
+        return last
+
+    def evaluate(self, writer: MetricsWriter | None = None, *, tasks: Sequence[Task] | None = None) -> dict:
+        from morse_jax.tasks.registry import family_metrics
+
+        tasks = list(tasks if tasks is not None else self.eval_tasks)
+        if not tasks:
+            raise ValueError("config.data.eval: no evaluation tasks were loaded")
+        t0 = time.time()
+        result = self.run_tasks(tasks, "eval", f"eval {self.variant}")
+        metrics = family_metrics(self.cfg, self.family, tasks, result)
+        metrics.update({"variant": self.variant, "tasks": len(tasks), "eval_s": time.time() - t0,
+                        "router_probs": _router_probs(result),
+                        "expert_sets": _expert_sets(result, self.spec)})
+        if writer is not None:
+            writer.write({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))}, step=0,
+                         kind="eval")
+        self.last_eval_result = result
+        return metrics
+
+
+def _count(result: RunResult, status) -> int:
+    return sum(1 for tr in result.traces.values() for n in tr.nodes.values() if status is None or n.status == status)
+
+
+def _router_probs(result: RunResult) -> list:
+    out = []
+    for tid, tr in result.traces.items():
+        for nid, n in tr.nodes.items():
+            if getattr(n, "route_probs", None) is not None:
+                out.append({"task": tid, "node": nid, "probs": np.asarray(n.route_probs).round(4).tolist()})
+    return out
+
+
+def _expert_sets(result: RunResult, spec: ExpertBankSpec | None) -> dict[str, int]:
+    """How often each routed subtask-expert set was used at execute calls (paper Table 5 layout)."""
+    counts: dict[str, int] = {}
+    for tr in result.traces.values():
+        for n in tr.nodes.values():
+            route = getattr(n, "route", None)
+            if route:
+                key = "+".join(f"S{int(k)}" for k in sorted(route))
+                counts[key] = counts.get(key, 0) + 1
+    return counts

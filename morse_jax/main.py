@@ -1,0 +1,102 @@
+"""CLI entry: ``python -m morse_jax.main --config configs/quickstart.py [--config.field=value ...]``.
+
+Modes (``--config.mode``): train (then eval, checkpoint, report), eval, plan (print the DAG of
+``--config.task``), solve (run ``--config.task`` end to end and print the artifacts), diagnose.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from morse_jax.configuration import ConfigError, validate_config
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Path to a config file.",
+                                          lock_config=True)
+
+
+def run(cfg) -> int:
+    from morse_jax.job import Job
+    from morse_jax.metrics_log import MetricsWriter
+    from morse_jax.report import write_report
+
+    t_start = time.time()
+    workdir = Path(cfg.workdir).expanduser()
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(cfg.to_json(indent=2))
+    if cfg.mode in ("plan", "solve"):
+        return _solve(cfg, plan_only=cfg.mode == "plan")
+    if cfg.mode == "diagnose":
+        from morse_jax.analysis.diagnose import run_diagnose
+
+        return run_diagnose(cfg)
+    job = Job(cfg)
+    print(f"morse_jax: {cfg.mode} variant={cfg.variant} model={job.backbone.source} "
+          f"train_tasks={len(job.train_tasks)} eval_tasks={len(job.eval_tasks)} workdir={workdir}")
+    writer = MetricsWriter(workdir)
+    if cfg.mode == "train":
+        last = job.train(writer)
+        if last:
+            print("last train step: " + json.dumps({k: round(v, 4) for k, v in last.items()
+                                                     if isinstance(v, float)}))
+    metrics = job.evaluate(writer)
+    print("eval: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
+                                 if not isinstance(v, (list, dict))}))
+    train_recs = writer.read("train")
+    report = write_report(workdir, family=cfg.data.family, evals=[metrics], train=train_recs,
+                          run_info={"mode": cfg.mode, "variant": cfg.variant, "model": job.backbone.source,
+                                    "train steps": len(train_recs), "wall time (s)": round(time.time() - t_start, 1)})
+    writer.close()
+    print(f"report: {report}")
+    return 0
+
+
+def _solve(cfg, *, plan_only: bool) -> int:
+    from morse_jax.job import Job
+    from morse_jax.tasks.base import Task
+    from morse_jax.tomas.planner import render_plan
+    from morse_jax.tomas.rollout import render_trace
+    from morse_jax.tasks.srdd import SRDDFamily
+
+    job = Job(cfg, load_tasks=False)
+    job.family = SRDDFamily() if cfg.data.family == "srdd" else _free_text_family(cfg)
+    task = Task(task_id="task", description=cfg.task, family=job.family.name)
+    orch = job.orchestrator("eval")
+    if plan_only:
+        plans = orch.plan([task]) if hasattr(orch, "plan") else None
+        if plans is None:
+            raise SystemExit("planner: this orchestrator has no plan() method")
+        print(render_plan(plans[task.task_id]))
+        return 0
+    result = orch.run([task])
+    print(render_trace(result.traces[task.task_id]))
+    return 0
+
+
+def _free_text_family(cfg):
+    # A free-text task is a software task: the SRDD family's prompts and gated code reward fit it.
+    from morse_jax.tasks.srdd import SRDDFamily
+
+    return SRDDFamily()
+
+
+def main(argv):
+    del argv
+    cfg = _CONFIG.value
+    try:
+        validate_config(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,104 @@
+"""report.md / report.json and PNG plots in the work directory, in the paper's table layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+SCICODE_COLS = (("step_pass", "Step Pass"), ("mean_step_pass", "Mean Step Pass"), ("problem_pass", "Problem Pass"))
+SRDD_COLS = (("exec", "Exec"), ("eci_mean", "ECI mean"), ("eci_product", "ECI product"))
+VARIANT_NAMES = {"A": "A: MoRSE untrained", "B": "B: single LoRA (r=24) + GRPO", "B++": "B++: single LoRA (r=48) + GRPO",
+                 "C": "C: MoLE + flat GRPO", "D": "D: MoLE + HGRPO (MoRSE)", "single_agent": "Single agent",
+                 "base": "Backbone only"}
+
+
+def _table(rows: Sequence[Mapping[str, Any]], cols) -> list[str]:
+    lines = ["| Variant | " + " | ".join(name for _, name in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [f"{100 * r[k]:.1f}" if isinstance(r.get(k), (int, float)) else "–" for k, _ in cols]
+        lines.append(f"| {VARIANT_NAMES.get(r['variant'], r['variant'])} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _plots(workdir: Path, train: Sequence[Mapping], evals: Sequence[Mapping]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    if train:
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.plot([r["step"] for r in train], [r["reward_mean"] for r in train], marker="o")
+        ax.set_xlabel("HGRPO step")
+        ax.set_ylabel("mean verifier reward")
+        ax.set_title("Reward per step")
+        fig.tight_layout()
+        fig.savefig(workdir / "reward.png", dpi=120)
+        plt.close(fig)
+        made.append("reward.png")
+    probs = [p for e in evals for p in e.get("router_probs", [])]
+    if probs:
+        fig, ax = plt.subplots(figsize=(6, max(2.5, 0.3 * len(probs))))
+        mat = [p["probs"] for p in probs]
+        im = ax.imshow(mat, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+        ax.set_yticks(range(len(probs)), [f"{p['task']}/{p['node']}" for p in probs], fontsize=7)
+        ax.set_xticks(range(len(mat[0])), [f"S{k}" for k in range(len(mat[0]))])
+        ax.set_title("Router probabilities per subtask")
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        fig.savefig(workdir / "router_probs.png", dpi=120)
+        plt.close(fig)
+        made.append("router_probs.png")
+    sets = {}
+    for e in evals:
+        for k, v in e.get("expert_sets", {}).items():
+            sets[k] = sets.get(k, 0) + v
+    if sets:
+        fig, ax = plt.subplots(figsize=(5, 3))
+        total = sum(sets.values())
+        keys = sorted(sets)
+        ax.bar(keys, [sets[k] / total for k in keys])
+        ax.set_ylabel("share of execute calls")
+        ax.set_title("Expert-pair shares")
+        fig.tight_layout()
+        fig.savefig(workdir / "expert_pairs.png", dpi=120)
+        plt.close(fig)
+        made.append("expert_pairs.png")
+    return made
+
+
+def write_report(workdir: str | Path, *, family: str, evals: Sequence[Mapping[str, Any]],
+                 train: Sequence[Mapping[str, Any]] = (), run_info: Mapping[str, Any] | None = None) -> Path:
+    """Write report.md, report.json and plots; returns the path of report.md."""
+    workdir = Path(workdir)
+    cols = SCICODE_COLS if family == "scicode" else SRDD_COLS
+    plots = _plots(workdir, train, evals)
+    md = [f"# morse_jax report ({family})", ""]
+    if run_info:
+        md += [f"- {k}: {v}" for k, v in run_info.items()] + [""]
+    md += ["## Results (paper Table 1/2 layout, %)", ""] + _table(evals, cols) + [""]
+    md += ["## Router utilisation (paper Table 5 layout: share of execute calls per expert set)", ""]
+    for e in evals:
+        sets = e.get("expert_sets", {})
+        if sets:
+            total = sum(sets.values())
+            md.append(f"**{VARIANT_NAMES.get(e['variant'], e['variant'])}**")
+            md.append("")
+            md += ["| Expert set | Share |", "|---|---|"]
+            md += [f"| {k} | {100 * v / total:.1f}% |" for k, v in sorted(sets.items(), key=lambda kv: -kv[1])]
+            md.append("")
+    if train:
+        md += ["## Training", "", "| step | reward mean | reward std | skipped routes | sequences | update s |",
+               "|---|---|---|---|---|---|"]
+        md += [f"| {r['step']} | {r['reward_mean']:.3f} | {r['reward_std']:.3f} | {r['skipped_within']:.2f} | "
+               f"{r['sequences']} | {r.get('update_s', 0):.1f} |" for r in train]
+        md.append("")
+    md += [f"![{p}]({p})" for p in plots]
+    (workdir / "report.md").write_text("\n".join(md) + "\n")
+    (workdir / "report.json").write_text(json.dumps({"family": family, "evals": list(evals), "train": list(train),
+                                                     "run": dict(run_info or {}), "plots": plots}, indent=2,
+                                                    default=str))
+    return workdir / "report.md"

@@ -25,6 +25,7 @@ from morse_jax.sampling.sample import sample_tokens, token_log_prob
 
 log = logging.getLogger("morse_jax.sampling")
 FINISH_REASONS = ("eos", "stop", "length")
+MAX_STOP_IDS = 8  # stop-token slots per row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,7 @@ class Sampler:
         self._params = unstack_segments(params) if config.unroll_decode else params
         self.compile_count = 0
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len",))
-        self._decode = jax.jit(self._decode_impl, static_argnames=("full_vocab",), donate_argnums=(2,))
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(2,))
 
     # ------------------------------------------------------------------ device functions
 
@@ -133,7 +134,7 @@ class Sampler:
                                 lora=self._lora(bank, ids, weights), logits_mode="last")
         return logits, cache
 
-    def _decode_impl(self, params, bank, state, ids, weights, settings, stop_end, *, full_vocab):
+    def _decode_impl(self, params, bank, state, ids, weights, settings, stop_end):
         """Run decode steps until ``stop_end`` steps are done or every row is done."""
         self.compile_count += 1
         lora = self._lora(bank, ids, weights)
@@ -144,8 +145,7 @@ class Sampler:
 
         def body(s):
             key, sub = jax.random.split(s["key"])
-            tok = sample_tokens(sub, s["logits"], temperature, top_k, top_p, k_cap=self.config.k_cap,
-                                full_vocab=full_vocab)
+            tok = sample_tokens(sub, s["logits"], temperature, top_k, top_p, k_cap=self.config.k_cap)
             lp = token_log_prob(s["logits"], tok)
             active = ~s["done"]
             tokens = s["tokens"].at[:, s["step"]].set(jnp.where(active, tok, 0))
@@ -169,11 +169,7 @@ class Sampler:
         if not requests:
             return []
         for i, r in enumerate(requests):
-            r.validate(i)
-            if r.expert_ids and self.spec is None:
-                raise ValueError(f"requests[{i}] names experts but the sampler has no expert bank spec")
-            if len(r.expert_ids) > self.config.max_active:
-                raise ValueError(f"requests[{i}] has {len(r.expert_ids)} experts > sampler.max_active")
+            self._check(r, i)
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
         out: list[Completion | None] = [None] * len(requests)
         mb = self.config.max_batch
@@ -184,6 +180,24 @@ class Sampler:
             if progress is not None:
                 progress(len(idx))
         return out  # type: ignore[return-value]
+
+    def _check(self, r: Request, i: int) -> None:
+        """Reject a request before anything runs (a bad row must not cost a compile or a batch)."""
+        r.validate(i)
+        where, cfg = f"requests[{i}]", self.config
+        V = self.cfg.vocab_size
+        if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= V:
+            raise ValueError(f"{where}.prompt_ids has ids outside [0, {V})")
+        if r.expert_ids and self.spec is None:
+            raise ValueError(f"{where}.expert_ids: the sampler has no expert bank spec")
+        if len(r.expert_ids) > cfg.max_active:
+            raise ValueError(f"{where}.expert_ids: {len(r.expert_ids)} experts > sampler.max_active={cfg.max_active}")
+        if r.expert_ids and not all(0 <= e < self.spec.num_experts for e in r.expert_ids):
+            raise ValueError(f"{where}.expert_ids {list(r.expert_ids)} outside [0, {self.spec.num_experts})")
+        if len(r.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{where}.stop_token_ids: more than {MAX_STOP_IDS}")
+        _bucket(len(r.prompt_ids), cfg.prompt_buckets, f"{where} prompt length")
+        _bucket(r.max_new_tokens, cfg.new_token_buckets, f"{where}.max_new_tokens")
 
     def _generate_batch(self, bank, reqs: list[Request], key) -> list[Completion]:
         cfg = self.config
@@ -199,8 +213,7 @@ class Sampler:
         top_k = np.zeros(B, np.int32)
         top_p = np.ones(B, np.float32)
         max_new = np.ones(B, np.int32)
-        n_stop = max([len(r.stop_token_ids) for r in reqs] + [1])
-        stop_ids = np.full((B, n_stop), -1, np.int32)
+        stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)  # fixed width: no compile per count
         for i, r in enumerate(reqs):
             p = np.asarray(r.prompt_ids, np.int32)
             tokens[i, P - len(p):] = p  # left padding: every row's next token lands at the same slot
@@ -210,7 +223,6 @@ class Sampler:
             temperature[i], top_k[i], top_p[i], max_new[i] = r.temperature, r.top_k, r.top_p, r.max_new_tokens
             stop_ids[i, :len(r.stop_token_ids)] = r.stop_token_ids
         done = np.arange(B) >= n  # padding rows never generate
-        full_vocab = any(r.temperature > 0 and r.top_k == 0 and r.top_p >= 1.0 for r in reqs)
         bank_arg = bank if self.spec is not None else None
 
         logits, cache = self._prefill(self._params, bank_arg, tokens, valid, ids, weights, cache_len=P + N)
@@ -225,8 +237,7 @@ class Sampler:
         tok = self.backbone.tokenizer
         while step < N:
             step = min(step + (cfg.chunk if has_strings else N), N)
-            state = self._decode(self._params, bank_arg, state, ids, weights, settings, jnp.int32(step),
-                                 full_vocab=full_vocab)
+            state = self._decode(self._params, bank_arg, state, ids, weights, settings, jnp.int32(step))
             done = np.asarray(state["done"])
             if has_strings and tok is not None:
                 toks = np.asarray(state["tokens"])

@@ -17,49 +17,73 @@ def truncated_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
                      k_cap: int) -> tuple[jax.Array, jax.Array]:
     """Candidate logits after temperature, top-k and top-p, restricted to the ``k_cap`` best tokens.
 
-    A full-vocabulary sort is far slower than ``lax.top_k`` on CPU (DESIGN §6), so nucleus
-    filtering runs inside the top-``k_cap`` candidates.
+    Order and semantics follow transformers: temperature, then top-k, then top-p over the
+    distribution renormalised after top-k. A full-vocabulary sort is far slower than
+    ``lax.top_k`` on CPU (DESIGN §6), so the nucleus is searched inside the top-``k_cap``
+    candidates; its cumulative mass is measured against the *full* softmax normaliser (a
+    logsumexp over the vocabulary, O(V)), so the result is exact whenever the nucleus fits in
+    ``k_cap`` tokens. Only a nucleus wider than ``k_cap`` is cut at ``k_cap``.
 
     Args:
-      logits: float32[B, V]. temperature: float32[B] (> 0). top_k: int32[B] (0 = no limit, i.e.
-        k_cap). top_p: float32[B] in (0, 1].
+      logits: float32[B, V]. temperature: float32[B] (> 0). top_k: int32[B] (0 = no limit).
+        top_p: float32[B] in (0, 1].
     Returns:
-      (cand_logits float32[B, k_cap] with NEG for excluded candidates, cand_ids int32[B, k_cap]).
+      (cand_logits float32[B, k_cap] — tempered, NEG for excluded candidates —,
+       cand_ids int32[B, k_cap]).
     """
     chex.assert_rank(logits, 2)
+    inv_t = 1.0 / jnp.maximum(temperature, 1e-6)[:, None]
     vals, ids = jax.lax.top_k(logits, k_cap)
-    vals = vals / jnp.maximum(temperature, 1e-6)[:, None]
+    vals = vals * inv_t
     rank = jnp.arange(k_cap)[None, :]
-    k_eff = jnp.where(top_k > 0, jnp.minimum(top_k, k_cap), k_cap)
+    limited = (top_k > 0) & (top_k <= k_cap)
+    k_eff = jnp.where(limited, top_k, k_cap)
     vals = jnp.where(rank < k_eff[:, None], vals, NEG)
-    probs = jax.nn.softmax(vals, axis=-1)
+    # Normaliser: over the top-k set when top-k applies, else over the whole vocabulary.
+    lse_full = jax.nn.logsumexp(logits * inv_t, axis=-1)
+    lse_k = jax.nn.logsumexp(vals, axis=-1)
+    probs = jnp.exp(vals - jnp.where(limited, lse_k, lse_full)[:, None])
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each candidate
     keep = (before < top_p[:, None]) | (rank == 0)
-    return jnp.where(keep, vals, NEG), ids
+    return jnp.where(keep, vals, NEG), ids.astype(jnp.int32)
 
 
 def sample_tokens(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                  *, k_cap: int = 256, full_vocab: bool = False) -> jax.Array:
+                  *, k_cap: int = 256, full_vocab: bool = True) -> jax.Array:
     """Sample one token per row. temperature <= 0 means greedy (argmax).
 
-    Rows with top_k == 0 and top_p >= 1 sample from the full vocabulary when ``full_vocab`` is set
-    (Gumbel-max over all logits); otherwise from the top-``k_cap`` candidates.
-    Returns int32[B].
+    Rows with top_k == 0 and top_p >= 1 (untruncated) sample from the full vocabulary
+    (Gumbel-max over all logits) when ``full_vocab`` is set, else from the top-``k_cap``
+    candidates. Work a batch does not need is skipped at run time (``lax.cond``): no top-k when
+    every row is greedy, no full-vocabulary noise unless some row is untruncated, so one compiled
+    step serves every mix of settings.
+
+    Args: key; logits float32[B, V]; temperature float32[B]; top_k int32[B]; top_p float32[B].
+    Returns: int32[B].
     """
+    chex.assert_rank(logits, 2)
     B, V = logits.shape
     k_cap = min(k_cap, V)
+    temperature = temperature.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     k1, k2 = jax.random.split(key)
-    cand, ids = truncated_logits(logits, temperature, top_k, top_p, k_cap)
-    gumbel = jax.random.gumbel(k1, cand.shape)
-    choice = jnp.argmax(cand + gumbel, axis=-1)
-    sampled = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    if full_vocab:
-        untruncated = (top_k == 0) & (top_p >= 1.0)
+    sampling = temperature > 0
+    untruncated = sampling & (top_k == 0) & (top_p >= 1.0)
+
+    def full_path(_):
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        full = jnp.argmax(scaled + jax.random.gumbel(k2, logits.shape), axis=-1).astype(jnp.int32)
-        sampled = jnp.where(untruncated, full, sampled)
-    return jnp.where(temperature > 0, sampled, greedy)
+        return jnp.argmax(scaled + jax.random.gumbel(k2, logits.shape), axis=-1).astype(jnp.int32)
+
+    def sampled_path(_):
+        cand, ids = truncated_logits(logits, temperature, top_k, top_p, k_cap)
+        choice = jnp.argmax(cand + jax.random.gumbel(k1, cand.shape), axis=-1)
+        tok = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
+        if full_vocab:
+            full = jax.lax.cond(jnp.any(untruncated), full_path, lambda _: tok, None)
+            tok = jnp.where(untruncated, full, tok)
+        return jnp.where(sampling, tok, greedy)
+
+    return jax.lax.cond(jnp.any(sampling), sampled_path, lambda _: greedy, None)
 
 
 def token_log_prob(logits: jax.Array, tokens: jax.Array) -> jax.Array:

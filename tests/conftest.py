@@ -221,7 +221,7 @@ def write_llama_gguf(path: Path, model, *, arch: str = "llama", quant: str = "F3
         w = np.ascontiguousarray(w, np.float32)
         if quant == "Q8_0" and w.ndim == 2 and w.shape[-1] % 32 == 0:
             qtype = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_shape=w.shape, raw_dtype=qtype)
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
     writer.write_header_to_file()

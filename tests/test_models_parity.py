@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from morse_jax.models import forward, load_backbone
 from morse_jax.models.config import RopeSpec
@@ -143,3 +145,40 @@ def test_rope_inv_freq_matches_transformers(spec, head_dim):
     ours = RopeSpec.from_hf(hf.rope_parameters)
     np.testing.assert_allclose(ours.inv_freq(head_dim), ref, rtol=1e-6)
     assert math.isclose(ours.attention_scaling, ref_scaling)
+
+
+@pytest.mark.parametrize("quant,kv_heads", [("F32", 2), ("Q8_0", 1)])
+def test_tiny_gguf_parity(tiny_gguf, quant, kv_heads):
+    """A GGUF written like llama.cpp's converter (Q/K rows permuted) loads to the same logits as
+    transformers' own GGUF load; unquantised, also as the original model."""
+    path, model = tiny_gguf(seed=5, num_key_value_heads=kv_heads, hidden_size=64, intermediate_size=64,
+                            tie_word_embeddings=False, gguf_kwargs={"quant": quant})
+    bb = load_backbone(path, tokenizer=False)
+    tokens, valid = padded_batch(bb.config.vocab_size, seed=2)
+    ours, _ = _forward(bb.params, bb.config, jnp.asarray(tokens, jnp.int32), valid=jnp.asarray(valid))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                      dtype=torch.float32).eval()
+    assert_parity(ours, torch_logits(theirs, tokens, valid), valid)
+    if quant == "F32":
+        assert_parity(ours, torch_logits(model, tokens, valid), valid)
+
+
+def test_bfloat16_checkpoint_loads(tiny_hf_model):
+    """Real checkpoints are stored in bfloat16; loading upcasts them exactly."""
+    path, model = tiny_hf_model("qwen3", head_dim=16)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(path)
+    bb = load_backbone(path, jnp.float32, tokenizer=False)
+    embed = model.model.embed_tokens.weight.detach().float().numpy()
+    np.testing.assert_array_equal(np.asarray(bb.params["embed"]), embed)
+    q = model.model.layers[2].self_attn.q_proj.weight.detach().float().numpy()
+    np.testing.assert_array_equal(np.asarray(bb.params["layers"][0]["q"]["kernel"][2]), q.T)
+    bb16 = load_backbone(path, jnp.bfloat16, tokenizer=False)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bb16.params))
+    tokens, valid = padded_batch(bb.config.vocab_size)
+    ours, _ = _forward(bb.params, bb.config, jnp.asarray(tokens, jnp.int32), valid=jnp.asarray(valid))
+    # A fresh float32 load: model.float() would keep the bfloat16-rounded rotary inv_freq buffer.
+    reloaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert_parity(ours, torch_logits(reloaded, tokens, valid), valid)

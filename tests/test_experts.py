@@ -1,8 +1,8 @@
 """Tests for morse_jax.mole.experts: per-row LoRA composition, active sets, PEFT export.
 
 The reference for composition is the definition in DESIGN §2: for row i the adapted layers use
-W + sum_k w_ik * (alpha/rank) * A_k B_k, merged into the kernels, and a dense forward of that row
-alone. Everything is float32 on tiny random models. Forward passes are jitted (one compile per
+W + sum_k w_ik * (alpha/rank) * A_k B_k, merged into the kernels, and a dense forward (no LoRA
+inputs) through those weights, read at row i. Everything is float32 on tiny random models. Forward passes are jitted (one compile per
 shape set): eager JAX compiles every primitive separately, which dominates small CPU tests.
 """
 

@@ -18,7 +18,6 @@ import pytest
 from morse_jax.tasks import scicode as sc
 from morse_jax.tasks.base import Task
 from morse_jax.tasks.metrics import StepResult, mean_step_pass, problem_pass, scicode_metrics, step_pass
-from morse_jax.tomas.plan import PlanNode
 
 SPLIT_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "morse-reference" / "scicode" / "data"
 FAST = sc.ExecLimits(timeout_s=60.0, test_timeout_s=30.0)

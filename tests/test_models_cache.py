@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from morse_jax.models import ModelConfig, RopeSpec, forward, init_cache, init_params, split_segments, unstack_segments
+from morse_jax.models import (Backbone, ModelConfig, RopeSpec, forward, init_cache, init_params, logits,
+                              split_segments, unstack_segments)
 
 _forward = jax.jit(forward, static_argnames=("cfg", "logits_mode"))
 
@@ -146,3 +147,13 @@ def test_padding_does_not_change_valid_logits(model):
     noisy[~valid] = (noisy[~valid] + 7) % cfg.vocab_size
     again, _ = _forward(params, cfg, jnp.asarray(noisy, jnp.int32), valid=jnp.asarray(valid))
     assert_close(np.asarray(again)[valid], full[valid], "other padding ids")
+
+
+def test_logits_helper(model):
+    """``morse_jax.models.logits`` (the jitted no-adapter path) is the full forward; 1-D input is one row."""
+    cfg, params, tokens, valid, full = model
+    bb = Backbone(config=cfg, params=params, tokenizer=None)
+    out = logits(bb, tokens, valid)
+    assert out.shape == full.shape and out.dtype == jnp.float32
+    assert_close(np.asarray(out)[valid], full[valid], "logits()")
+    assert_close(logits(bb, tokens[0])[0], full[0], "logits() of a 1-D row")

@@ -111,3 +111,33 @@ def test_unknown_architecture_is_rejected(model_type):
     cfg.model_type = model_type
     with pytest.raises(ValueError, match=f"model_type {model_type!r} is not supported"):
         from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("one_draw", [True, False])
+def test_init_params_statistics(monkeypatch, one_draw):
+    """Both init regimes (one sliced draw for small models, per-leaf draws for large ones) give
+    the documented distribution, the shapes of param_shapes, and independent leaves."""
+    import numpy as np
+
+    from morse_jax.models import ModelConfig, param_shapes
+    from morse_jax.models import transformer
+
+    monkeypatch.setattr(transformer, "_FLAT_INIT_MAX", 1 << 40 if one_draw else 0)
+    cfg = ModelConfig(family="gemma3", vocab_size=64, hidden_size=32, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, activation="gelu_tanh", qk_norm=True,
+                      norm_offset=1.0, embed_scale=True, post_norms=True)
+    params = init_params(jax.random.PRNGKey(0), cfg)
+    got = jax.tree_util.tree_flatten_with_path(params)[0]
+    want = jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple) and all(
+        isinstance(i, int) for i in x))
+    assert [x.shape for _, x in got] == [tuple(s) for s in want]
+    weights = []
+    for path, x in got:
+        x = np.asarray(x)
+        if "norm" in jax.tree_util.keystr(path):
+            assert (x == 0.0).all()  # Gemma: (1 + w) with w = 0 is an effective scale of 1
+        else:
+            assert abs(x.std() - 0.02) < 0.004 and abs(x.mean()) < 0.004
+            weights.append(x.ravel())
+    firsts = [w[:16] for w in weights]
+    assert len({w.tobytes() for w in firsts}) == len(firsts)  # no two leaves share a slice

@@ -81,26 +81,34 @@ def param_shapes(cfg: ModelConfig) -> Params:
     return shapes
 
 
+_FLAT_INIT_MAX = 1 << 28  # elements; above this, one draw per leaf (no giant temporary, shards per leaf)
+
+
 def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32) -> Params:
     """Random parameters (normal * 0.02; norms at an effective scale of 1). For tests and shapes.
 
-    One normal draw is sliced into all weights: a separate threefry draw per leaf made the
-    jitted init take ~6 s to compile on CPU for a 4-layer toy model (one draw: <1 s).
+    Small models take one normal draw sliced into all weights: a separate threefry draw per leaf
+    made the jitted init of a 4-layer toy model take ~6 s to compile on CPU (one draw: <1 s).
+    Large ones draw per leaf, so no flat buffer of the whole model is ever materialised.
     """
     shapes = param_shapes(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         shapes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
     is_norm = ["norm" in jax.tree_util.keystr(path) for path, _ in flat]
     total = sum(math.prod(shape) for (_, shape), norm in zip(flat, is_norm) if not norm)
-    noise = 0.02 * jax.random.normal(key, (total,), jnp.float32)
+    one_draw = total <= _FLAT_INIT_MAX
+    noise = 0.02 * jax.random.normal(key, (total,), jnp.float32) if one_draw else None
+    keys = None if one_draw else jax.random.split(key, len(flat))
     out, offset = [], 0
-    for (_, shape), norm in zip(flat, is_norm):
+    for i, ((_, shape), norm) in enumerate(zip(flat, is_norm)):
         if norm:
             out.append(jnp.full(shape, 1.0 - cfg.norm_offset, dtype))
-        else:
+        elif one_draw:
             n = math.prod(shape)
             out.append(noise[offset:offset + n].reshape(shape).astype(dtype))
             offset += n
+        else:
+            out.append((0.02 * jax.random.normal(keys[i], shape, jnp.float32)).astype(dtype))
     return jax.tree.unflatten(treedef, out)
 
 

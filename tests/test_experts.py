@@ -172,10 +172,18 @@ def test_unrolled_segments_and_kv_cache_compose_like_the_scanned_forward():
 # --------------------------------------------------------------------------- exact no-ops
 
 
-@pytest.mark.parametrize("compose", ["gather", "onehot"])
-def test_untrained_bank_and_weight_zero_slots_are_exact_noops(compose):
-    cfg, targets = CASES["llama-qvo"]
+@pytest.mark.parametrize("case, compose", [("llama-qvo", "gather"), ("llama-qvo", "onehot"), ("qwen3-kgud", "gather")])
+def test_untrained_bank_and_weight_zero_slots_are_exact_noops(case, compose):
+    """The LoRA term of such rows is exactly 0, so the projections are bitwise the base ones. With
+    LoRA on k under Qwen3's k-norm, XLA fuses the norm with the (zero) add into a different kernel
+    and the normalised k can move by an ulp; that case is held to 1e-6 instead of bitwise."""
+    cfg, targets = CASES[case]
     spec = _spec(targets, compose)
+    if case == "llama-qvo":
+        same = np.testing.assert_array_equal
+    else:
+        def same(x, ref, err_msg=""):
+            assert _rel_err(x, ref) <= 1e-6, err_msg
     params = _params(cfg, spec.n_adapt)
     ids, weights = pad_active(ROWS, MAX_ACTIVE)
     tokens, valid = _inputs(cfg, len(ROWS))
@@ -185,13 +193,13 @@ def test_untrained_bank_and_weight_zero_slots_are_exact_noops(compose):
     assert all(np.any(np.asarray(a) != 0) for a in fresh["a"].values())
     assert all(not np.any(np.asarray(b)) for b in fresh["b"].values())
     got = np.asarray(lora_logits(params, fresh, ids, weights, tokens, valid, cfg=cfg, spec=spec))
-    np.testing.assert_array_equal(got, base)
+    same(got, base)
 
     trained = _trained_bank(cfg, spec)
     got = np.asarray(lora_logits(params, trained, ids, weights, tokens, valid, cfg=cfg, spec=spec))
     for i in ROWS_BASE:
-        np.testing.assert_array_equal(got[i], base[i], err_msg=f"row {i} ({ROWS[i]})")
-    assert not np.array_equal(got[0], base[0])
+        same(got[i], base[i], err_msg=f"row {i} ({ROWS[i]})")
+    assert _rel_err(got[0], base[0]) > 1e-2
 
 
 @pytest.mark.parametrize("compose", ["gather", "onehot"])

@@ -53,11 +53,11 @@ def assert_parity(ours, ref, valid, rtol=1e-4):
     assert np.abs(ref).max() > 1e-2
 
 
-def check_parity(path, model, *, seed=0):
+def check_parity(path, model, *, seed=0, vocab=None):
     with pytest.warns(UserWarning, match="no tokenizer files"):
         bb = load_backbone(path)
     assert bb.tokenizer is None
-    tokens, valid = padded_batch(bb.config.vocab_size, seed)
+    tokens, valid = padded_batch(vocab or bb.config.vocab_size, seed)
     ours, _ = _forward(bb.params, bb.config, jnp.asarray(tokens, jnp.int32), valid=jnp.asarray(valid))
     assert_parity(ours, torch_logits(model, tokens, valid), valid)
     return bb
@@ -186,3 +186,28 @@ def test_bfloat16_checkpoint_loads(tiny_hf_model):
     # A fresh float32 load: model.float() would keep the bfloat16-rounded rotary inv_freq buffer.
     reloaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     assert_parity(ours, torch_logits(reloaded, tokens, valid), valid)
+
+
+def test_gemma3_multimodal_checkpoint_loads_text_backbone(tmp_path):
+    """Released Gemma 3 checkpoints (4B and up) are Gemma3ForConditionalGeneration: the text
+    backbone sits under a language-model prefix next to a vision tower we do not load."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=4, query_pre_attn_scalar=20,
+                initializer_range=0.15, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=297,
+                           eoi_token_index=298, image_token_index=299)
+        torch.manual_seed(0)
+        model = Gemma3ForConditionalGeneration(cfg).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(0.3 * torch.randn_like(p))
+        model.save_pretrained(tmp_path)
+    bb = check_parity(tmp_path, model, vocab=297)  # text tokens only (297-299: image markers)
+    assert bb.config.family == "gemma3" and bb.config.vocab_size == 300

@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from morse_jax.models import forward, init_cache
+from morse_jax.models import forward, init_cache, load_backbone
 from morse_jax.models.chat import encode_chat, stop_token_ids
 
 pytestmark = pytest.mark.gguf
@@ -122,3 +122,13 @@ def test_greedy_continuation_matches_transformers_generate(smollm2_backbone, smo
         f"first difference at token {first_diff}: ours {bb.tokenizer.decode(ours)!r} vs "
         f"transformers {bb.tokenizer.decode(ref)!r}")
     assert "def" in bb.tokenizer.decode(ours)  # sanity: the model writes code
+
+
+def test_hf_directory_with_tokenizer_files(smollm2_backbone, tiny_hf_model):
+    """A safetensors directory that ships tokenizer files gets its tokenizer and chat template."""
+    tok = smollm2_backbone.tokenizer
+    path, _ = tiny_hf_model("llama", vocab_size=len(tok), num_hidden_layers=1)
+    tok.save_pretrained(path)
+    bb = load_backbone(path)
+    assert bb.tokenizer is not None
+    assert encode_chat(bb.tokenizer, PROMPTS[1]) == encode_chat(tok, PROMPTS[1])

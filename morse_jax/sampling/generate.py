@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from typing import Any, Sequence
 
 import jax
@@ -20,11 +21,13 @@ import numpy as np
 
 from morse_jax.models.loading import Backbone
 from morse_jax.models.transformer import forward, init_cache, split_segments, unstack_segments
+from morse_jax.sampling.decode import decode_params, forward_cached, init_decode_cache, positions_from_valid, prepare_lora
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora
-from morse_jax.sampling.sample import sample_tokens, token_log_prob
+from morse_jax.sampling.sample import select_tokens
 
 log = logging.getLogger("morse_jax.sampling")
 FINISH_REASONS = ("eos", "stop", "length")
+DECODE_PATHS = ("fused", "model")
 MAX_STOP_IDS = 8  # stop-token slots per row
 
 
@@ -85,10 +88,19 @@ class SamplerConfig:
     chunk: int = 32  # decode steps between host checks (stop strings, all-done)
     k_cap: int = 256  # top-k candidates inside which top-p runs
     max_active: int = 4  # expert slots per row
-    unroll_decode: bool = True  # per-layer params and caches in decode (in-place cache updates)
+    # "fused": morse_jax.sampling.decode (fused projections, [B, K, S, D] cache; the fast path).
+    # "model": the backbone's own forward with per-layer caches (reference path, slower on CPU).
+    decode_path: str = "fused"
     cache_dtype: Any = None  # default: the params' dtype
+    # LoRA composition inside the sampler (same maths): "gather" each row's experts, "onehot"
+    # all experts with per-row weights, or "auto" (onehot while E <= rows * max_active).
+    lora_compose: str = "auto"
 
     def __post_init__(self):
+        if self.lora_compose not in ("auto", "gather", "onehot"):
+            raise ValueError(f"sampler.lora_compose must be auto, gather or onehot, got {self.lora_compose!r}")
+        if self.decode_path not in DECODE_PATHS:
+            raise ValueError(f"sampler.decode_path must be one of {DECODE_PATHS}, got {self.decode_path!r}")
         if self.max_batch > max(self.batch_buckets):
             raise ValueError(f"sampler.max_batch={self.max_batch} exceeds the largest batch bucket")
 
@@ -110,29 +122,48 @@ class Sampler:
                  config: SamplerConfig = SamplerConfig()):
         self.backbone, self.spec, self.config = backbone, spec, config
         self.cfg = backbone.config
-        params = backbone.params
-        if spec is not None:
-            params = split_segments(params, spec.n_adapt)
-        self._params = unstack_segments(params) if config.unroll_decode else params
+        self._n_adapt = spec.n_adapt if spec is not None else 0
+        if config.decode_path == "fused":
+            self._params = decode_params(backbone.params, self.cfg)
+        else:  # per-layer (unrolled) params: per-layer caches update in place; a scanned stack copies
+            self._params = unstack_segments(split_segments(backbone.params, self._n_adapt))
         self.compile_count = 0
+        # Wall-clock split of the last generate() call (seconds; summed over micro-batches):
+        # prefill_s includes the prefill's compile on a first call, decode_s the decode's.
+        self.last_stats: dict[str, float] = {}
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len",))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(2,))
 
     # ------------------------------------------------------------------ device functions
 
     def _lora(self, bank, ids, weights):
+        """Per-row LoRA inputs for a batch; computed once per device call (outside the loop)."""
         if self.spec is None or bank is None:
             return None
-        return gather_lora(bank, self.spec, ids, weights)
+        compose = self.config.lora_compose
+        if compose == "auto":  # all experts beat per-row gathers unless the bank outgrows the batch's slots
+            compose = "onehot" if self.spec.num_experts <= ids.shape[0] * ids.shape[1] else "gather"
+        lora = gather_lora(bank, dataclasses.replace(self.spec, compose=compose), ids, weights)
+        return prepare_lora(lora) if self.config.decode_path == "fused" else lora
+
+    def _forward(self, params, tokens, valid, positions, cache, lora):
+        """Logits at the last new position [B, V] and the updated cache."""
+        if self.config.decode_path == "fused":
+            return forward_cached(params, self.cfg, tokens, valid, positions, cache, lora)
+        return forward(params, self.cfg, tokens, positions=positions, valid=valid, cache=cache, lora=lora,
+                       logits_mode="last")
 
     def _prefill_impl(self, params, bank, tokens, valid, ids, weights, *, cache_len):
         self.compile_count += 1  # runs at trace time only
         B = tokens.shape[0]
         dtype = self.config.cache_dtype or params["embed"].dtype
-        cache = init_cache(self.cfg, params, B, cache_len, dtype)
-        logits, cache = forward(params, self.cfg, tokens, valid=valid, cache=cache,
-                                lora=self._lora(bank, ids, weights), logits_mode="last")
-        return logits, cache
+        if self.config.decode_path == "fused":
+            cache = init_decode_cache(self.cfg, B, cache_len, dtype)
+        else:
+            cache = init_cache(self.cfg, params, B, cache_len, dtype)
+        logits, cache = self._forward(params, tokens, valid, positions_from_valid(valid), cache,
+                                      self._lora(bank, ids, weights))
+        return logits, cache, jnp.sum(valid, axis=1, dtype=jnp.int32)
 
     def _decode_impl(self, params, bank, state, ids, weights, settings, stop_end):
         """Run decode steps until ``stop_end`` steps are done or every row is done."""
@@ -145,8 +176,7 @@ class Sampler:
 
         def body(s):
             key, sub = jax.random.split(s["key"])
-            tok = sample_tokens(sub, s["logits"], temperature, top_k, top_p, k_cap=self.config.k_cap)
-            lp = token_log_prob(s["logits"], tok)
+            tok, lp = select_tokens(sub, s["logits"], temperature, top_k, top_p, k_cap=self.config.k_cap)
             active = ~s["done"]
             tokens = s["tokens"].at[:, s["step"]].set(jnp.where(active, tok, 0))
             logps = s["logps"].at[:, s["step"]].set(jnp.where(active, lp, 0.0))
@@ -155,10 +185,9 @@ class Sampler:
             hit_len = (n_gen >= max_new) & active
             reason = jnp.where(hit_stop, 1, jnp.where(hit_len, 3, s["reason"]))
             done = s["done"] | hit_stop | hit_len
-            logits, cache = forward(params, self.cfg, tok[:, None], valid=active[:, None], cache=s["cache"],
-                                    lora=lora, logits_mode="last")
+            logits, cache = self._forward(params, tok[:, None], active[:, None], s["pos"][:, None], s["cache"], lora)
             return dict(s, key=key, tokens=tokens, logps=logps, n_gen=n_gen, reason=reason, done=done,
-                        logits=logits, cache=cache, step=s["step"] + 1)
+                        logits=logits, cache=cache, pos=s["pos"] + active, step=s["step"] + 1)
 
         return jax.lax.while_loop(cond, body, state)
 
@@ -170,6 +199,7 @@ class Sampler:
             return []
         for i, r in enumerate(requests):
             self._check(r, i)
+        self.last_stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "batches": 0}
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
         out: list[Completion | None] = [None] * len(requests)
         mb = self.config.max_batch
@@ -225,8 +255,11 @@ class Sampler:
         done = np.arange(B) >= n  # padding rows never generate
         bank_arg = bank if self.spec is not None else None
 
-        logits, cache = self._prefill(self._params, bank_arg, tokens, valid, ids, weights, cache_len=P + N)
-        state = dict(key=key, logits=logits, cache=cache, step=jnp.zeros((), jnp.int32),
+        t0 = time.perf_counter()
+        logits, cache, pos = self._prefill(self._params, bank_arg, tokens, valid, ids, weights, cache_len=P + N)
+        logits.block_until_ready()  # only to split the timing; decode cannot start before anyway
+        t1 = time.perf_counter()
+        state = dict(key=key, logits=logits, cache=cache, pos=pos, step=jnp.zeros((), jnp.int32),
                      tokens=jnp.zeros((B, N), jnp.int32), logps=jnp.zeros((B, N), jnp.float32),
                      n_gen=jnp.zeros(B, jnp.int32), reason=jnp.zeros(B, jnp.int32), done=jnp.asarray(done))
         settings = (jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(max_new),
@@ -258,6 +291,11 @@ class Sampler:
                 break
 
         toks = np.asarray(state["tokens"])
+        st = self.last_stats
+        st["prefill_s"] += t1 - t0
+        st["decode_s"] += time.perf_counter() - t1
+        st["decode_steps"] += int(state["step"])
+        st["batches"] += 1
         logps = np.asarray(state["logps"])
         n_gen = np.asarray(state["n_gen"])
         reason = np.asarray(state["reason"])

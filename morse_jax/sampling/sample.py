@@ -32,40 +32,55 @@ def truncated_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
        cand_ids int32[B, k_cap]).
     """
     chex.assert_rank(logits, 2)
+    vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, k_cap))  # see select_tokens
+    cand, _ = _truncate(logits, vals, temperature, top_k, top_p)
+    return cand, ids.astype(jnp.int32)
+
+
+def _truncate(logits, vals, temperature, top_k, top_p):
+    """(tempered candidate logits with NEG outside the kept set, log-normaliser of logits at T=1).
+
+    ``vals``: the top-k_cap logits, descending. One pass over the vocabulary computes both the
+    tempered normaliser (for top-p mass) and the T=1 one (for behaviour log-probs), shifted by
+    the maximum that top-k already found.
+    """
+    k_cap = vals.shape[-1]
     inv_t = 1.0 / jnp.maximum(temperature, 1e-6)[:, None]
-    vals, ids = jax.lax.top_k(logits, k_cap)
-    vals = vals * inv_t
+    m = vals[:, :1]
+    z = logits - m
+    lse_1 = m[:, 0] + jnp.log(jnp.sum(jnp.exp(z), axis=-1))
+    lse_t = m[:, 0] * inv_t[:, 0] + jnp.log(jnp.sum(jnp.exp(z * inv_t), axis=-1))
+    tv = vals * inv_t
     rank = jnp.arange(k_cap)[None, :]
     limited = (top_k > 0) & (top_k <= k_cap)
     k_eff = jnp.where(limited, top_k, k_cap)
-    vals = jnp.where(rank < k_eff[:, None], vals, NEG)
+    tv = jnp.where(rank < k_eff[:, None], tv, NEG)
     # Normaliser: over the top-k set when top-k applies, else over the whole vocabulary.
-    lse_full = jax.nn.logsumexp(logits * inv_t, axis=-1)
-    lse_k = jax.nn.logsumexp(vals, axis=-1)
-    probs = jnp.exp(vals - jnp.where(limited, lse_k, lse_full)[:, None])
+    norm = jnp.where(limited, jax.nn.logsumexp(tv, axis=-1), lse_t)
+    probs = jnp.exp(tv - norm[:, None])
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each candidate
     keep = (before < top_p[:, None]) | (rank == 0)
-    return jnp.where(keep, vals, NEG), ids.astype(jnp.int32)
+    return jnp.where(keep, tv, NEG), lse_1
 
 
-def sample_tokens(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                  *, k_cap: int = 256, full_vocab: bool = True) -> jax.Array:
-    """Sample one token per row. temperature <= 0 means greedy (argmax).
+def select_tokens(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  *, k_cap: int = 256, full_vocab: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row and return it with its log-prob at temperature 1.
 
-    Rows with top_k == 0 and top_p >= 1 (untruncated) sample from the full vocabulary
-    (Gumbel-max over all logits) when ``full_vocab`` is set, else from the top-``k_cap``
-    candidates. Work a batch does not need is skipped at run time (``lax.cond``): no top-k when
-    every row is greedy, no full-vocabulary noise unless some row is untruncated, so one compiled
-    step serves every mix of settings.
+    temperature <= 0 means greedy (argmax). Rows with top_k == 0 and top_p >= 1 (untruncated)
+    sample from the full vocabulary (Gumbel-max over all logits) when ``full_vocab`` is set, else
+    from the top-``k_cap`` candidates. Work a batch does not need is skipped at run time
+    (``lax.cond``): no top-k when every row is greedy, no full-vocabulary noise unless some row is
+    untruncated, so one compiled step serves every mix of settings.
 
     Args: key; logits float32[B, V]; temperature float32[B]; top_k int32[B]; top_p float32[B].
-    Returns: int32[B].
+    Returns: (tokens int32[B], log_softmax(logits)[token] float32[B]).
     """
     chex.assert_rank(logits, 2)
     B, V = logits.shape
     k_cap = min(k_cap, V)
+    logits = logits.astype(jnp.float32)
     temperature = temperature.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     k1, k2 = jax.random.split(key)
     sampling = temperature > 0
     untruncated = sampling & (top_k == 0) & (top_p >= 1.0)
@@ -75,15 +90,29 @@ def sample_tokens(key: jax.Array, logits: jax.Array, temperature: jax.Array, top
         return jnp.argmax(scaled + jax.random.gumbel(k2, logits.shape), axis=-1).astype(jnp.int32)
 
     def sampled_path(_):
-        cand, ids = truncated_logits(logits, temperature, top_k, top_p, k_cap)
+        # The barrier keeps XLA from rewriting "top-k, then slice its first column" into a full
+        # sort of the vocabulary (measured: 100 ms per step at batch 16 instead of 4 ms).
+        vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, k_cap))
+        ids = ids.astype(jnp.int32)
+        cand, lse_1 = _truncate(logits, vals, temperature, top_k, top_p)
         choice = jnp.argmax(cand + jax.random.gumbel(k1, cand.shape), axis=-1)
         tok = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
         if full_vocab:
             full = jax.lax.cond(jnp.any(untruncated), full_path, lambda _: tok, None)
             tok = jnp.where(untruncated, full, tok)
-        return jnp.where(sampling, tok, greedy)
+        return jnp.where(sampling, tok, ids[:, 0]), lse_1  # top_k breaks ties by lower index, as argmax
 
-    return jax.lax.cond(jnp.any(sampling), sampled_path, lambda _: greedy, None)
+    def greedy_path(_):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), jax.nn.logsumexp(logits, axis=-1)
+
+    tok, lse_1 = jax.lax.cond(jnp.any(sampling), sampled_path, greedy_path, None)
+    return tok, jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - lse_1
+
+
+def sample_tokens(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  *, k_cap: int = 256, full_vocab: bool = True) -> jax.Array:
+    """Tokens only of :func:`select_tokens`: int32[B]."""
+    return select_tokens(key, logits, temperature, top_k, top_p, k_cap=k_cap, full_vocab=full_vocab)[0]
 
 
 def token_log_prob(logits: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -37,9 +37,10 @@ CONFIGS = {
 SPEC = ExpertBankSpec(num_subtask=4, rank=4, alpha=6.0, n_adapt=2)
 # One bucket each: every tiny test shares one prefill and one decode compile per sampler (a
 # compile costs seconds on this CPU, a generate call milliseconds). Five requests with max_batch
-# 4 also exercise micro-batching everywhere.
+# 4 also exercise micro-batching everywhere; prefill_rows=16 makes prefill chunks of 4 tokens, so
+# prompts of 1-32 tokens take 1-8 chunks.
 SMALL = SamplerConfig(batch_buckets=(4,), prompt_buckets=(32,), new_token_buckets=(16,), max_batch=4, chunk=4,
-                      max_active=3)
+                      max_active=3, prefill_rows=16)
 PROMPT_LENS = (3, 11, 1, 7, 16)
 # Per-row active sets: empty (base model), one expert, a weighted mix, padding-weight only.
 SETS = [[], [(0, 1.0)], [(1, 0.5), (3, 0.3), (5, 0.2)], [(2, 0.0)], [(4, 0.5), (0, 0.5)]]
@@ -191,6 +192,20 @@ def test_expert_sets_take_effect_per_row(tiny):
         # B = 0 everywhere: every row is the base model
         assert got_zero[r].token_ids == base[r].token_ids
         np.testing.assert_allclose(got_zero[r].logprobs, base[r].logprobs, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", [dict(decode_path="model"), dict(lora_compose="gather", prefill_rows=512)])
+def test_alternative_paths_agree(tiny, variant):
+    """The backbone's own cached forward (decode_path="model") and per-row gathered LoRA (with
+    single-chunk prefill) give the default sampler's tokens and log-probs."""
+    bb, bank, sampler, _ = tiny["llama"]
+    ps = prompts(PROMPT_LENS, TINY["vocab_size"], seed=31)
+    reqs = requests_for(ps, SETS, temperature=0.8, top_p=0.9, max_new_tokens=10)
+    a = sampler.generate(bank, reqs, key=jax.random.PRNGKey(4))
+    b = Sampler(bb, SPEC, dataclasses.replace(SMALL, **variant)).generate(bank, reqs, key=jax.random.PRNGKey(4))
+    for r, (x, y) in enumerate(zip(a, b)):
+        assert x.token_ids == y.token_ids, f"row {r}"
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- log-probs, determinism
@@ -441,7 +456,8 @@ SMOL_TEXTS = ["Write a Python function that adds two numbers.", "Hi", "List thre
               "briefly why each of them is prime, in one sentence each.", "def fibonacci(n):"]
 SMOL_SETTINGS = [dict(temperature=0.0), dict(temperature=0.0), dict(temperature=0.7, top_p=0.95),
                  dict(temperature=0.0)]
-SMOL_CFG = SamplerConfig(batch_buckets=(4,), prompt_buckets=(32,), new_token_buckets=(16,), max_batch=4, chunk=8)
+SMOL_CFG = SamplerConfig(batch_buckets=(4,), prompt_buckets=(32,), new_token_buckets=(16,), max_batch=4, chunk=8,
+                         prefill_rows=32)  # prefill chunks of 8 tokens
 
 
 @pytest.fixture(scope="module")

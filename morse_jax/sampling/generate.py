@@ -21,7 +21,7 @@ import numpy as np
 
 from morse_jax.models.loading import Backbone
 from morse_jax.models.transformer import forward, init_cache, split_segments, unstack_segments
-from morse_jax.sampling.decode import decode_params, forward_cached, init_decode_cache, positions_from_valid, prepare_lora
+from morse_jax.sampling.decode import decode_params, decode_step, forward_cached, init_decode_cache, positions_from_valid, prepare_lora
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora
 from morse_jax.sampling.sample import select_tokens
 
@@ -95,6 +95,7 @@ class SamplerConfig:
     # LoRA composition inside the sampler (same maths): "gather" each row's experts, "onehot"
     # all experts with per-row weights, or "auto" (onehot while E <= rows * max_active).
     lora_compose: str = "auto"
+    prefill_rows: int = 512  # prompt tokens per prefill chunk, summed over the batch (see Sampler._chunk)
 
     def __post_init__(self):
         if self.lora_compose not in ("auto", "gather", "onehot"):
@@ -131,7 +132,7 @@ class Sampler:
         # Wall-clock split of the last generate() call (seconds; summed over micro-batches):
         # prefill_s includes the prefill's compile on a first call, decode_s the decode's.
         self.last_stats: dict[str, float] = {}
-        self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len",))
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len", "chunk"))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(2,))
 
     # ------------------------------------------------------------------ device functions
@@ -153,7 +154,22 @@ class Sampler:
         return forward(params, self.cfg, tokens, positions=positions, valid=valid, cache=cache, lora=lora,
                        logits_mode="last")
 
-    def _prefill_impl(self, params, bank, tokens, valid, ids, weights, *, cache_len):
+    def _step(self, params, tokens, active, positions, cache, lora):
+        """One token per row: logits [B, V] and the updated cache."""
+        if self.config.decode_path == "fused":
+            return decode_step(params, self.cfg, tokens, active, positions, cache, lora)
+        return self._forward(params, tokens[:, None], active[:, None], positions[:, None], cache, lora)
+
+    def _chunk(self, batch: int, prompt_bucket: int) -> int:
+        """Prefill chunk length: a power of two near ``prefill_rows / batch`` dividing the bucket."""
+        c = max(1, self.config.prefill_rows // batch)
+        c = min(1 << (c.bit_length() - 1), prompt_bucket)
+        return c if prompt_bucket % c == 0 else prompt_bucket
+
+    def _prefill_impl(self, params, bank, tokens, valid, ids, weights, n_chunks, *, cache_len, chunk):
+        """Prompts in ``n_chunks`` chunks of ``chunk`` tokens (a loop, so the chunk count is
+        dynamic: prefill work follows the batch's longest prompt, not its bucket, and the
+        attention scores of a chunk stay [B, heads, chunk, S] however long the prompt)."""
         self.compile_count += 1  # runs at trace time only
         B = tokens.shape[0]
         dtype = self.config.cache_dtype or params["embed"].dtype
@@ -161,8 +177,17 @@ class Sampler:
             cache = init_decode_cache(self.cfg, B, cache_len, dtype)
         else:
             cache = init_cache(self.cfg, params, B, cache_len, dtype)
-        logits, cache = self._forward(params, tokens, valid, positions_from_valid(valid), cache,
-                                      self._lora(bank, ids, weights))
+        lora = self._lora(bank, ids, weights)
+        positions = positions_from_valid(valid)
+
+        def body(i, carry):
+            def part(a):
+                return jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
+
+            return self._forward(params, part(tokens), part(valid), part(positions), carry[1], lora)
+
+        logits = jnp.zeros((B, self.cfg.vocab_size), jnp.float32)
+        logits, cache = jax.lax.fori_loop(0, n_chunks, body, (logits, cache))
         return logits, cache, jnp.sum(valid, axis=1, dtype=jnp.int32)
 
     def _decode_impl(self, params, bank, state, ids, weights, settings, stop_end):
@@ -185,7 +210,7 @@ class Sampler:
             hit_len = (n_gen >= max_new) & active
             reason = jnp.where(hit_stop, 1, jnp.where(hit_len, 3, s["reason"]))
             done = s["done"] | hit_stop | hit_len
-            logits, cache = self._forward(params, tok[:, None], active[:, None], s["pos"][:, None], s["cache"], lora)
+            logits, cache = self._step(params, tok, active, s["pos"], s["cache"], lora)
             return dict(s, key=key, tokens=tokens, logps=logps, n_gen=n_gen, reason=reason, done=done,
                         logits=logits, cache=cache, pos=s["pos"] + active, step=s["step"] + 1)
 
@@ -233,7 +258,10 @@ class Sampler:
         cfg = self.config
         n = len(reqs)
         B = _bucket(n, cfg.batch_buckets, "batch")
-        P = _bucket(max(len(r.prompt_ids) for r in reqs), cfg.prompt_buckets, "prompt length")
+        P_max = max(len(r.prompt_ids) for r in reqs)
+        P = _bucket(P_max, cfg.prompt_buckets, "prompt length")
+        chunk = self._chunk(B, P)
+        P_pad = -(-P_max // chunk) * chunk
         N = _bucket(max(r.max_new_tokens for r in reqs), cfg.new_token_buckets, "max_new_tokens")
         tokens = np.zeros((B, P), np.int32)
         valid = np.zeros((B, P), bool)
@@ -246,8 +274,9 @@ class Sampler:
         stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)  # fixed width: no compile per count
         for i, r in enumerate(reqs):
             p = np.asarray(r.prompt_ids, np.int32)
-            tokens[i, P - len(p):] = p  # left padding: every row's next token lands at the same slot
-            valid[i, P - len(p):] = True
+            # left padding up to the chunk grid: every row's next token lands at slot P_pad
+            tokens[i, P_pad - len(p):P_pad] = p
+            valid[i, P_pad - len(p):P_pad] = True
             ids[i, :len(r.expert_ids)] = r.expert_ids
             weights[i, :len(r.expert_weights)] = r.expert_weights
             temperature[i], top_k[i], top_p[i], max_new[i] = r.temperature, r.top_k, r.top_p, r.max_new_tokens
@@ -256,7 +285,8 @@ class Sampler:
         bank_arg = bank if self.spec is not None else None
 
         t0 = time.perf_counter()
-        logits, cache, pos = self._prefill(self._params, bank_arg, tokens, valid, ids, weights, cache_len=P + N)
+        logits, cache, pos = self._prefill(self._params, bank_arg, tokens, valid, ids, weights,
+                                           np.int32(P_pad // chunk), cache_len=P + N, chunk=chunk)
         logits.block_until_ready()  # only to split the timing; decode cannot start before anyway
         t1 = time.perf_counter()
         state = dict(key=key, logits=logits, cache=cache, pos=pos, step=jnp.zeros((), jnp.int32),

@@ -10,7 +10,7 @@ differs is only how the work is laid out, for speed on CPU (measurements: ``benc
   every call: 10-25 % slower at batch 1-16. The tied LM head is then the embedding itself.
 * q/k/v and gate/up are one matmul each (concatenated once): a decode step is hundreds of small
   ops, each with a fixed cost.
-* Caches are per layer, keys ``[B, K, D, S]`` and values ``[B, K, S, D]``: both attention dots
+* Caches are per layer, keys ``[B*K, D, S]`` and values ``[B*K, S, D]``: both attention dots
   are plain batched matmuls over (b, k) contracting a minor axis; with the model's
   ``[B, S, K, D]`` XLA transposed each layer's whole cache on every step.
 * LoRA factors are rearranged once per device call (:func:`prepare_lora`), not per step.
@@ -79,11 +79,16 @@ def decode_params(params: dict, cfg: ModelConfig) -> dict:
 
 
 def init_decode_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
-    """{"k": tuple over layers of [B, K, D, S] (keys transposed), "v": tuple of [B, K, S, D],
-    "valid": bool[B, S], "index": int32[] next slot}."""
-    B, K, S, D = batch, cfg.num_kv_heads, max_len, cfg.head_dim
-    return {"k": tuple(jnp.zeros((B, K, D, S), dtype) for _ in range(cfg.num_layers)),
-            "v": tuple(jnp.zeros((B, K, S, D), dtype) for _ in range(cfg.num_layers)),
+    """{"k": tuple over layers of [B*K, D, S] (keys transposed), "v": tuple of [B*K, S, D],
+    "valid": bool[B, S], "index": int32[] next slot}.
+
+    Batch and kv heads share one axis: at batch 1 a separate, degenerate batch axis made XLA
+    copy every layer's cache on every decode step (its in-place update did not survive the
+    simplifier dropping the axis).
+    """
+    BK, S, D = batch * cfg.num_kv_heads, max_len, cfg.head_dim
+    return {"k": tuple(jnp.zeros((BK, D, S), dtype) for _ in range(cfg.num_layers)),
+            "v": tuple(jnp.zeros((BK, S, D), dtype) for _ in range(cfg.num_layers)),
             "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
 
 
@@ -177,23 +182,23 @@ def _lora_cols(xT, layer, group) -> dict:
 
 
 def _attend(q, ck, cv, mask, cfg):
-    """q [B, T, H, D]; keys [B, K, D, S]; values [B, K, S, D]; mask bool[B, T, S] -> [B, T, H*D].
+    """q [B, T, H, D]; keys [B*K, D, S]; values [B*K, S, D]; mask bool[B, T, S] -> [B, T, H*D].
 
     Query rows are (t, g) pairs folded into one axis so both dots are plain batched matmuls over
     (b, k) with no degenerate axes: with a T axis between g and s, XLA swapped the P.V operands
     and fell back to a slow transposed-operand dot (1.4 ms per layer at batch 16).
     """
     B, T, H, D = q.shape
-    K = cv.shape[1]
+    K = cv.shape[0] // B
     G = H // K
-    qx = jnp.swapaxes(q.reshape(B, T, K, G, D), 1, 2).reshape(B, K, T * G, D)
-    scores = jnp.einsum("bkxd,bkds->bkxs", qx, ck).astype(jnp.float32) * cfg.scale
+    qx = jnp.swapaxes(q.reshape(B, T, K, G, D), 1, 2).reshape(B * K, T * G, D)
+    scores = jnp.einsum("nxd,nds->nxs", qx, ck).astype(jnp.float32) * cfg.scale
     if cfg.attn_logit_softcap:
         scores = jnp.tanh(scores / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
     scores = scores.reshape(B, K, T, G, -1)
     scores = jnp.where(mask[:, None, :, None, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(B, K, T * G, -1)
-    out = jnp.einsum("bkxs,bksd->bkxd", probs, cv).reshape(B, K, T, G, D)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(B * K, T * G, -1)
+    out = jnp.einsum("nxs,nsd->nxd", probs, cv).reshape(B, K, T, G, D)
     return jnp.swapaxes(out, 1, 2).reshape(B, T, H * D)
 
 
@@ -228,8 +233,11 @@ def _activation(name: str):
 def _write_cache(cache, i, k, v, idx):
     """k, v [B, T, K, D] -> caches with slots idx..idx+T-1 written."""
     ck, cv = cache["k"][i], cache["v"][i]
-    ck = jax.lax.dynamic_update_slice(ck, jnp.transpose(k, (0, 2, 3, 1)).astype(ck.dtype), (0, 0, 0, idx))
-    cv = jax.lax.dynamic_update_slice(cv, jnp.swapaxes(v, 1, 2).astype(cv.dtype), (0, 0, idx, 0))
+    B, T, K, D = k.shape
+    kn = jnp.transpose(k, (0, 2, 3, 1)).reshape(B * K, D, T)
+    vn = jnp.swapaxes(v, 1, 2).reshape(B * K, T, D)
+    ck = jax.lax.dynamic_update_slice(ck, kn.astype(ck.dtype), (0, 0, idx))
+    cv = jax.lax.dynamic_update_slice(cv, vn.astype(cv.dtype), (0, idx, 0))
     return ck, cv
 
 

@@ -19,6 +19,7 @@ from scipy import stats
 
 from morse_jax.models import Backbone, ModelConfig, RopeSpec, forward, init_params, split_segments
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, init_expert_bank
+from morse_jax.sampling.decode import init_decode_cache
 from morse_jax.sampling.generate import Completion, Request, Sampler, SamplerConfig, _cached_sampler, generate
 from morse_jax.sampling.sample import sample_tokens, truncated_logits
 
@@ -277,8 +278,9 @@ def test_finish_reasons_eos_and_length(tiny):
     free = sampler.generate(bank, requests_for(ps, sets, temperature=0.0, max_new_tokens=12), key=jax.random.PRNGKey(0))
     toks = free[0].token_ids
     j = next(i for i in range(2, 12) if toks[i] not in toks[:i])  # first fresh token after step 2
+    unused = next(t for t in range(TINY["vocab_size"]) if t not in toks)  # a second stop id that never fires
     reqs = [
-        Request(ps[0], expert_ids=[], expert_weights=[], temperature=0.0, max_new_tokens=12, stop_token_ids=[toks[j], 299]),
+        Request(ps[0], temperature=0.0, max_new_tokens=12, stop_token_ids=[unused, toks[j]]),
         Request(ps[1], expert_ids=[0], expert_weights=[1.0], temperature=0.0, max_new_tokens=5),
         Request(ps[2], expert_ids=[1, 3, 5], expert_weights=[0.5, 0.3, 0.2], temperature=0.0, max_new_tokens=12),
     ]
@@ -352,6 +354,23 @@ def test_ten_batches_in_one_bucket_compile_once(tiny):
                 stop_strings=["abc"] if b % 3 == 0 else ()))
         sampler.generate(bank, reqs, key=jax.random.PRNGKey(b))
     assert sampler.compile_count == 2
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_decode_updates_caches_in_place(tiny, batch):
+    """No copy of a KV cache inside the compiled decode: the while loop must update the donated
+    caches in place (a copy per layer per step is what made earlier layouts slow, at batch 1
+    through a degenerate batch axis)."""
+    bb, bank, sampler, _ = tiny["llama"]
+    if batch != 4:
+        sampler = Sampler(bb, SPEC, dataclasses.replace(SMALL, batch_buckets=(batch,), max_batch=batch))
+    lowered = sampler.lower_decode(bank, batch, 32, 16)
+    hlo = lowered.compile().as_text()
+    cache = jax.eval_shape(lambda: init_decode_cache(bb.config, batch, 32 + 16))
+    shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in cache["k"] + cache["v"]}
+    copies = [line.strip()[:160] for line in hlo.splitlines()
+              if any(f"= {sh}{{" in line for sh in shapes) and ("copy(" in line or "copy" in line.split("=")[0])]
+    assert not copies, copies[:4]
 
 
 # --------------------------------------------------------------------------- token selection
@@ -445,6 +464,15 @@ def test_bad_requests_name_the_field(tiny):
     with pytest.raises(ValueError, match="expert"):
         base_sampler.generate(None, [Request([1], expert_ids=[0], expert_weights=[1.0], max_new_tokens=4)], key=key)
     assert sampler.generate(bank, [], key=key) == []
+
+
+def test_bad_config_names_the_field():
+    for kw, field in [(dict(batch_buckets=(4, 2)), "batch_buckets"), (dict(prompt_buckets=()), "prompt_buckets"),
+                      (dict(max_batch=64), "max_batch"), (dict(k_cap=0), "k_cap"), (dict(chunk=0), "chunk"),
+                      (dict(decode_path="scan"), "decode_path"), (dict(lora_compose="merged"), "lora_compose"),
+                      (dict(prefill_rows=0), "prefill_rows")]:
+        with pytest.raises(ValueError, match=rf"sampler\.{field}"):
+            SamplerConfig(**kw)
 
 
 # --------------------------------------------------------------------------- SmolLM2

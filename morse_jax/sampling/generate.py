@@ -1,10 +1,14 @@
 """Batched generation with per-row prompts, expert sets and sampling settings.
 
 The host side packs requests into micro-batches whose shapes come from a few buckets (batch
-size, prompt length, new-token budget) so compiles stay few and are counted. The device side is
-a jitted prefill and a jitted decode chunk (a ``lax.while_loop`` over a static KV cache whose
-buffers are donated); the host checks stop strings between chunks and stops early once every
-row is done.
+size, prompt length, new-token budget) so compiles stay few and are counted: one prefill and one
+decode program per bucket combination, whatever the requests' lengths, settings and expert sets.
+The device side is a jitted prefill (prompt chunks in a loop, so the work follows the longest
+prompt rather than its bucket) and a jitted decode chunk (a ``lax.while_loop`` over a static,
+donated KV cache updated in place); the host checks stop strings between chunks and stops early
+once every row is done. The model maths run through ``morse_jax.sampling.decode`` (fused,
+transposed weights and a decode-friendly cache layout; see there and ``bench/sampler.py`` for
+what that buys on CPU), or through the backbone's own forward (``decode_path="model"``).
 """
 
 from __future__ import annotations
@@ -21,8 +25,15 @@ import numpy as np
 
 from morse_jax.models.loading import Backbone
 from morse_jax.models.transformer import forward, init_cache, split_segments, unstack_segments
-from morse_jax.sampling.decode import decode_params, decode_step, forward_cached, init_decode_cache, positions_from_valid, prepare_lora
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora
+from morse_jax.sampling.decode import (
+    decode_params,
+    decode_step,
+    forward_cached,
+    init_decode_cache,
+    positions_from_valid,
+    prepare_lora,
+)
 from morse_jax.sampling.sample import select_tokens
 
 log = logging.getLogger("morse_jax.sampling")
@@ -79,7 +90,7 @@ class Completion:
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
-    """Buckets and limits. Shapes reaching jit are rounded up to these buckets."""
+    """Buckets and limits. Shapes reaching jit are rounded up to these buckets (ascending)."""
 
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     prompt_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -88,7 +99,7 @@ class SamplerConfig:
     chunk: int = 32  # decode steps between host checks (stop strings, all-done)
     k_cap: int = 256  # top-k candidates inside which top-p runs
     max_active: int = 4  # expert slots per row
-    # "fused": morse_jax.sampling.decode (fused projections, [B, K, S, D] cache; the fast path).
+    # "fused": morse_jax.sampling.decode (fused, transposed weights; decode-layout caches; fast).
     # "model": the backbone's own forward with per-layer caches (reference path, slower on CPU).
     decode_path: str = "fused"
     cache_dtype: Any = None  # default: the params' dtype
@@ -98,6 +109,13 @@ class SamplerConfig:
     prefill_rows: int = 512  # prompt tokens per prefill chunk, summed over the batch (see Sampler._chunk)
 
     def __post_init__(self):
+        for name in ("batch_buckets", "prompt_buckets", "new_token_buckets"):
+            b = tuple(getattr(self, name))
+            if not b or any(x < 1 for x in b) or list(b) != sorted(set(b)):
+                raise ValueError(f"sampler.{name} must be non-empty, positive and strictly ascending, got {b}")
+        for name in ("max_batch", "chunk", "k_cap", "max_active", "prefill_rows"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"sampler.{name} must be >= 1, got {getattr(self, name)}")
         if self.lora_compose not in ("auto", "gather", "onehot"):
             raise ValueError(f"sampler.lora_compose must be auto, gather or onehot, got {self.lora_compose!r}")
         if self.decode_path not in DECODE_PATHS:
@@ -215,6 +233,25 @@ class Sampler:
                         logits=logits, cache=cache, pos=s["pos"] + active, step=s["step"] + 1)
 
         return jax.lax.while_loop(cond, body, state)
+
+    def lower_decode(self, bank, batch: int, prompt_bucket: int, new_token_bucket: int):
+        """The decode program of one bucket combination, lowered, for inspection
+        (``.compile().as_text()`` gives its HLO; the tests check it never copies a cache)."""
+        B, S, N = batch, prompt_bucket + new_token_bucket, new_token_bucket
+        sds = jax.ShapeDtypeStruct
+        dtype = self.config.cache_dtype or self._params["embed"].dtype
+        if self.config.decode_path == "fused":
+            cache = jax.eval_shape(lambda: init_decode_cache(self.cfg, B, S, dtype))
+        else:
+            cache = jax.eval_shape(lambda: init_cache(self.cfg, self._params, B, S, dtype))
+        i32, f32 = jnp.int32, jnp.float32
+        state = dict(key=jax.eval_shape(lambda: jax.random.PRNGKey(0)), logits=sds((B, self.cfg.vocab_size), f32),
+                     cache=cache, pos=sds((B,), i32), step=sds((), i32), tokens=sds((B, N), i32),
+                     logps=sds((B, N), f32), n_gen=sds((B,), i32), reason=sds((B,), i32), done=sds((B,), bool))
+        slots = (B, self.config.max_active)
+        settings = (sds((B,), f32), sds((B,), i32), sds((B,), f32), sds((B,), i32), sds((B, MAX_STOP_IDS), i32))
+        return self._decode.lower(self._params, bank if self.spec is not None else None, state, sds(slots, i32),
+                                  sds(slots, f32), settings, sds((), i32))
 
     # ------------------------------------------------------------------ host side
 

@@ -33,6 +33,7 @@ from morse_jax.sampling.decode import (
     init_decode_cache,
     positions_from_valid,
     prepare_lora,
+    rope_tables_for,
 )
 from morse_jax.sampling.sample import select_tokens
 
@@ -172,10 +173,10 @@ class Sampler:
         return forward(params, self.cfg, tokens, positions=positions, valid=valid, cache=cache, lora=lora,
                        logits_mode="last")
 
-    def _step(self, params, tokens, active, positions, cache, lora):
+    def _step(self, params, tokens, active, positions, cache, lora, rope):
         """One token per row: logits [B, V] and the updated cache."""
         if self.config.decode_path == "fused":
-            return decode_step(params, self.cfg, tokens, active, positions, cache, lora)
+            return decode_step(params, self.cfg, tokens, active, positions, cache, lora, rope)
         return self._forward(params, tokens[:, None], active[:, None], positions[:, None], cache, lora)
 
     def _chunk(self, batch: int, prompt_bucket: int) -> int:
@@ -213,6 +214,9 @@ class Sampler:
         self.compile_count += 1
         lora = self._lora(bank, ids, weights)
         temperature, top_k, top_p, max_new, stop_ids = settings
+        rope = None
+        if self.config.decode_path == "fused":  # loop-invariant tables, built once per call
+            rope = rope_tables_for(self.cfg, state["cache"]["valid"].shape[1], params["embed"].dtype)
 
         def cond(s):
             return (s["step"] < stop_end) & ~jnp.all(s["done"])
@@ -228,7 +232,7 @@ class Sampler:
             hit_len = (n_gen >= max_new) & active
             reason = jnp.where(hit_stop, 1, jnp.where(hit_len, 3, s["reason"]))
             done = s["done"] | hit_stop | hit_len
-            logits, cache = self._step(params, tok, active, s["pos"], s["cache"], lora)
+            logits, cache = self._step(params, tok, active, s["pos"], s["cache"], lora, rope)
             return dict(s, key=key, tokens=tokens, logps=logps, n_gen=n_gen, reason=reason, done=done,
                         logits=logits, cache=cache, pos=s["pos"] + active, step=s["step"] + 1)
 

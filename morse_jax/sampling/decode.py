@@ -222,6 +222,27 @@ def _rope(cfg, positions, dtype):
     return (cos_f, sin_f), (cos_s, sin_s)
 
 
+def rope_tables_for(cfg: ModelConfig, max_len: int, dtype) -> tuple:
+    """((cos, sin) full, (cos, sin) sliding): [max_len, D] rotary tables for positions 0..max_len-1.
+
+    Compute once per device call (outside the decode loop) and pass to :func:`decode_step`.
+    """
+    pos = jnp.arange(max_len)[None]
+    full, slide = _rope(cfg, pos, dtype)
+    return tuple(tuple(t[0] for t in pair) for pair in (full, slide))
+
+
+def _rope_rows(cfg, rope, positions, max_len, dtype):
+    """(cos, sin) [B, T, D] for full and sliding layers: rows of precomputed tables.
+
+    Computing cos/sin from the positions inside a step let XLA fuse them into every layer's
+    rotary multiply and evaluate them once per element (2 ms per decode step at batch 16).
+    """
+    if rope is None:
+        rope = rope_tables_for(cfg, max_len, dtype)
+    return [tuple(jnp.take(t, positions, axis=0) for t in pair) for pair in rope]
+
+
 def _activation(name: str):
     if name == "silu":
         return jax.nn.silu
@@ -268,7 +289,8 @@ def _proj_rows(x, lp, name, layer_lora, sizes=None):
 
 
 def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Array, positions: jax.Array,
-                   cache: dict, lora: tuple[dict, ...] | None, *, last_only: bool = True):
+                   cache: dict, lora: tuple[dict, ...] | None, rope: tuple | None = None, *,
+                   last_only: bool = True):
     """Forward ``T`` new tokens per row through the cache (the prefill); written at ``cache["index"]``.
 
     Args:
@@ -276,6 +298,7 @@ def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arr
         never attended to). positions: int32[B, T] rotary positions.
       cache: from :func:`init_decode_cache` or a previous call. lora: :func:`prepare_lora` of
         ``gather_lora``'s output (the last ``len(lora)`` layers are adapted), or None.
+      rope: :func:`rope_tables_for` the cache length, or None (computed here).
       last_only: logits at the last position only ([B, V]) instead of [B, T, V].
     Returns:
       (float32 logits, new cache).
@@ -290,7 +313,7 @@ def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arr
     idx = cache["index"]
     key_valid = jax.lax.dynamic_update_slice(cache["valid"], valid, (0, idx))
     mask_full, mask_slide = _masks(cfg, key_valid, idx, T)
-    rope_full, rope_slide = _rope(cfg, positions, dtype)
+    rope_full, rope_slide = _rope_rows(cfg, rope, positions, cache["valid"].shape[1], dtype)
     first_adapted = cfg.num_layers - (len(lora) if lora is not None else 0)
     new_k, new_v = [], []
     for i, lp in enumerate(dp["layers"]):
@@ -350,16 +373,6 @@ def _proj_cols(xT, lp, name, layer_lora, sizes=None):
     return outs
 
 
-def rope_tables_for(cfg: ModelConfig, max_len: int, dtype) -> tuple:
-    """((cos, sin) full, (cos, sin) sliding): [max_len, D] rotary tables for positions 0..max_len-1.
-
-    Compute once per device call (outside the decode loop) and pass to :func:`decode_step`.
-    """
-    pos = jnp.arange(max_len)[None]
-    full, slide = _rope(cfg, pos, dtype)
-    return tuple(tuple(t[0] for t in pair) for pair in (full, slide))
-
-
 def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array, positions: jax.Array,
                 cache: dict, lora: tuple[dict, ...] | None, rope: tuple | None = None):
     """One new token per row (the decode step), activations kept as [features, B].
@@ -382,11 +395,7 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
     idx = cache["index"]
     key_valid = jax.lax.dynamic_update_slice(cache["valid"], active[:, None], (0, idx))
     mask_full, mask_slide = _masks(cfg, key_valid, idx, 1)
-    if rope is None:
-        rope = rope_tables_for(cfg, cache["valid"].shape[1], dtype)
-    # Rows of precomputed tables: computing cos/sin here let XLA fuse them into every layer's
-    # rotary multiply and evaluate them per element (2 ms per step at batch 16).
-    rope_full, rope_slide = [tuple(jnp.take(t, positions, axis=0)[:, None] for t in pair) for pair in rope]
+    rope_full, rope_slide = _rope_rows(cfg, rope, positions[:, None], cache["valid"].shape[1], dtype)
     first_adapted = cfg.num_layers - (len(lora) if lora is not None else 0)
     new_k, new_v = [], []
     for i, lp in enumerate(dp["layers"]):

@@ -166,10 +166,10 @@ class Sampler:
         lora = gather_lora(bank, dataclasses.replace(self.spec, compose=compose), ids, weights)
         return prepare_lora(lora) if self.config.decode_path == "fused" else lora
 
-    def _forward(self, params, tokens, valid, positions, cache, lora):
+    def _forward(self, params, tokens, valid, positions, cache, lora, rope=None):
         """Logits at the last new position [B, V] and the updated cache."""
         if self.config.decode_path == "fused":
-            return forward_cached(params, self.cfg, tokens, valid, positions, cache, lora)
+            return forward_cached(params, self.cfg, tokens, valid, positions, cache, lora, rope)
         return forward(params, self.cfg, tokens, positions=positions, valid=valid, cache=cache, lora=lora,
                        logits_mode="last")
 
@@ -198,12 +198,13 @@ class Sampler:
             cache = init_cache(self.cfg, params, B, cache_len, dtype)
         lora = self._lora(bank, ids, weights)
         positions = positions_from_valid(valid)
+        rope = rope_tables_for(self.cfg, cache_len, dtype) if self.config.decode_path == "fused" else None
 
         def body(i, carry):
             def part(a):
                 return jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
 
-            return self._forward(params, part(tokens), part(valid), part(positions), carry[1], lora)
+            return self._forward(params, part(tokens), part(valid), part(positions), carry[1], lora, rope)
 
         logits = jnp.zeros((B, self.cfg.vocab_size), jnp.float32)
         logits, cache = jax.lax.fori_loop(0, n_chunks, body, (logits, cache))

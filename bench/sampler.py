@@ -6,29 +6,75 @@ Ours: rank-8 experts on q/v/o of the last 8 layers with non-zero B, a different 
 row (role expert + 1-2 subtask experts). transformers: the same GGUF loaded by transformers,
 a PEFT LoRA (r=8, alpha=16, q_proj/v_proj/o_proj, last 8 layers, non-zero B), torch CPU.
 
-The two are measured interleaved (ours, theirs, ours, theirs, ...) in the same process, so a
-shared, loaded machine slows both alike; the ratio uses the medians. Output, one line per batch
-size (tokens/s = generated tokens / wall time of the whole generate call, prefill included):
+The two are measured interleaved (ours, theirs, ours, theirs, ...) in one process, so a shared,
+loaded machine slows both alike; ratios use medians. One line per batch size, decode-only
+tokens/s (prefill excluded, DESIGN §6's measure; ours from the sampler's own prefill/decode
+split, transformers from its N-token generate minus a 1-token generate):
 
     batch 16: ours 180.2 tok/s, transformers 50.1 tok/s, 3.60x
 
-followed by the decode-only rates (prefill excluded: ours from the sampler's own prefill/decode
-split, transformers from a 1-token generate), compile time (reported separately, never counted
-above) and a roofline: bytes moved per decode step / measured memory bandwidth (batch 1) and
-FLOPs per step / measured matmul FLOP/s (batch 16), with our decode-only fraction of it.
+then a '#' line with end-to-end rates (prefill included), both prefill times, our ms/step and
+the compile time (measured separately, never counted above), and a roofline: bytes moved per
+decode step / measured memory bandwidth vs FLOPs per step / measured 2048^3 matmul FLOP/s (the
+larger bounds the step), with our fraction of it.
 
-Usage:  python bench/sampler.py [--batches 1,4,16] [--reps 2] [--new 128] [--prompt 200]
-        [--ours-only] [--sampler-config "dict(chunk=32)"]
+Usage:  python bench/sampler.py [--batches 1,4,16] [--reps 3] [--new 128] [--prompt 200]
+        [--ours-only] [--sampler-config "dict(decode_path='model')"]
 
-Measurements (2 shared AMD EPYC cores, AVX2; decode-only ms/step of ours at batch 1 / 16 with
-prompt bucket 256, cache 384; see the report for the full table) are recorded in
-``SAMPLER_NOTES`` below and printed with ``--notes``.
+Measured on this machine (2 shared AMD EPYC cores, AVX2, ~20-25 GB/s, 170-180 GFLOP/s at
+2048^3; run-to-run noise about +-5-10 %, more while others run jobs):
+
+  bench, interleaved, quiet machine (decode-only tok/s, ours vs transformers):
+                     batch 1            batch 4            batch 16
+    lead's sampler   24.0 vs 5.1*       68.2 vs 30.8       100.0 vs 64.1     (* tests ran alongside)
+    now, run A       36.9 vs 11.8 3.13x 98.5 vs 35.0 2.82x 182.3 vs 71.7 2.54x
+    now, run B       33.3 vs 11.2 2.98x 86.8 vs 29.4 2.95x 176.4 vs 72.8 2.42x
+    end-to-end (B)   28.6 vs 10.8 2.64x 61.4 vs 26.9 2.28x 103.0 vs 59.1 1.74x
+    On a loaded machine (load 4-9) transformers drops far more than we do (per-step Python):
+    batch 1 17.0 vs 2.1 tok/s end-to-end (7.9x).
+
+  decode ms/step, same isolated harness (cache 384), batch 1 / 4 / 16:
+    lead's sampler, scanned layers (unroll_decode=False)   32.3 / 76.3 / 233.9
+    lead's sampler, unrolled layers (its default)          30.1 / 52.1 / 133.2
+    now                                                    25-27 / 38-42 / 72-77
+  The changes, in order (batch 16, cache 288, ms/step unless noted):
+    fused q/k/v and gate/up, [B,K,S,D] caches, LM head pre-transposed      140 -> 136
+    attention query rows folded (a degenerate T axis made XLA swap the P.V
+      operands into a 1.4 ms/layer transposed-operand dot)                    136 -> 106
+    keys stored [B,K,D,S]                                                    106 -> 92
+    LoRA factors laid out once per call, all-experts composition
+      (24 per-step relayout copies gone)                                      92 -> 85
+    one pass for the top-p and log-prob normalisers, greedy from top-k      sampling 9.0 -> 5.1 ms
+      (slicing top-k's output made XLA turn top-k into a full sort, 208 ms/step, until an
+      optimization barrier stopped it)
+    weights [d_out, d_in], activations [features, B] (W @ x: XLA's dot packed
+      the weight on every x @ W call)                                         85 -> 74
+      + barrier against folding the LM-head transpose into the dot
+      (batch 4: 125 -> 38, a naive-loop dot)              batch 1/2/4/8/16: 29/31/38/45/63
+    batch and kv heads share one cache axis (at batch 1 XLA copied all 60
+      caches every step)                                            batch 1 (cache 384): 28 -> 26
+    rotary cos/sin gathered from per-call tables (XLA re-evaluated them per
+      element inside every layer)                                           -2 ms at batch 16
+  Final step at batch 16, cache 384 (profiler): weight matmuls 42 ms (gate/up 16-18, o+down
+  12-14, LM head 8, qkv 6; ~100 GFLOP/s, what XLA's CPU dot reaches at 16 columns), attention
+  22-24 (scores 13-14, P.V 5.5-6, softmax reductions 3-4, cache writes 1.3), sampling ~5
+  (top-k 2.6-2.9), the rest ~4. At batch 1 the weight gemvs take 21.7 ms = 538 MB at 25 GB/s,
+  i.e. memory bandwidth; the rest is ~4-5 ms of small ops.
+  Tried, no gain (kept out): XLA_FLAGS --xla_cpu_experimental_ynn_fusion_type=-reduce,
+  --xla_cpu_multi_thread_eigen=false, --xla_cpu_use_onednn=true (all within noise; turning YNN
+  off entirely made batch 16 1.9x slower); bfloat16 KV cache (cache_dtype): batch 16 105 vs 78
+  ms (per-step conversions); other attention layouts/formulations (K as the streamed operand,
+  multiply-reduce instead of dots); two-stage top-k (10x slower than lax.top_k). Not tried:
+  bfloat16 weights (AVX2 has no bf16 arithmetic; would change behaviour log-probs vs the
+  float32 trainer).
+  Prefill: prompts run in chunks of ~512/batch tokens in a loop, so work follows the longest
+  prompt, not its bucket (batch 16: 224 of the 256-token bucket); 16x200 tokens take 7-8 s
+  (transformers 6.4-7.4 s), which is why end-to-end ratios at batch 16 are lower.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -37,9 +83,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-
-SAMPLER_NOTES = """(filled in from measurements; see below)"""
-
 
 def measure_bandwidth() -> float:
     """Memory read bandwidth in bytes/s: best of numpy sums over a 256 MiB array."""
@@ -83,18 +126,14 @@ def step_cost(cfg, batch: int, cache_len: int, spec) -> tuple[float, float]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See the module docstring for results.")
     ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--ours-only", action="store_true")
     ap.add_argument("--sampler-config", default="dict()", help="SamplerConfig overrides, a Python dict literal")
-    ap.add_argument("--notes", action="store_true", help="print the recorded measurements and exit")
     args = ap.parse_args(argv)
-    if args.notes:
-        print(SAMPLER_NOTES)
-        return
     warnings.simplefilter("ignore")
     import jax
     import jax.numpy as jnp

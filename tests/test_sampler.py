@@ -21,7 +21,7 @@ from morse_jax.models import Backbone, ModelConfig, RopeSpec, forward, init_para
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, init_expert_bank
 from morse_jax.sampling.decode import init_decode_cache
 from morse_jax.sampling.generate import Completion, Request, Sampler, SamplerConfig, _cached_sampler, generate
-from morse_jax.sampling.sample import sample_tokens, truncated_logits
+from morse_jax.sampling.sample import sample_tokens, select_tokens, truncated_logits
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
             head_dim=8)
@@ -438,6 +438,16 @@ def test_sample_tokens_full_vocab_and_greedy():
     _, pval = stats.chisquare(np.bincount(samples[:, 0], minlength=V), n * want)
     assert pval > 1e-3
     assert (samples[:, 1] == int(jnp.argmax(logits[1]))).all()
+
+
+def test_select_tokens_returns_temperature_one_logprobs():
+    """Sampled, truncated and greedy rows all get log_softmax(logits)[token] at T=1."""
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=(4, 300)).astype(np.float32) * 2)
+    t, k, p = jnp.array([0.7, 1.3, 0.0, 1.0]), jnp.array([0, 5, 0, 0]), jnp.array([0.9, 1.0, 1.0, 1.0])
+    tok, lp = jax.jit(select_tokens)(jax.random.PRNGKey(5), logits, t, k, p)
+    want = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), np.asarray(tok)[:, None], 1)[:, 0]
+    np.testing.assert_allclose(np.asarray(lp), want, atol=1e-5)
+    assert int(tok[2]) == int(jnp.argmax(logits[2]))
 
 
 def test_truncated_logits_keeps_at_least_one_candidate():

@@ -3,17 +3,18 @@
 The embedded SmolLM2-135M-Instruct GGUF, scorable SciCode development problems (targets rebuilt
 from their ground-truth code), small B / M / token budgets, two HGRPO steps, evaluation, a
 checkpoint and a report in runs/quickstart. Running it again resumes from the checkpoint;
-add --config.fresh=True (or delete runs/quickstart) to start over.
+add --config.fresh=True (or delete runs/quickstart) to start over. Another ablation row of the
+same loop: ``--config configs/quickstart.py:B`` (A, B, B++, C, D, single_agent, base), written to
+runs/quickstart_<variant>.
 """
 
-from morse_jax.default_config import get_config as defaults
+from morse_jax.default_config import apply_variant, get_config as defaults, variant_dir
 
 
-def get_config():
+def get_config(variant="D"):
     c = defaults()
     c.mode = "train"
-    c.variant = "D"
-    c.workdir = "runs/quickstart"
+    c.workdir = "runs/quickstart" if variant == "D" else f"runs/quickstart_{variant_dir(variant)}"
     c.model.path = "embedded"
     c.data.family = "scicode"
     c.data.train = "package:dev"
@@ -30,4 +31,4 @@ def get_config():
     c.train.steps = 2
     c.train.micro_batch = 4
     c.train.lora_lr = 1e-4
-    return c
+    return apply_variant(c, variant)

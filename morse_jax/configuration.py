@@ -72,6 +72,13 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
         raise ConfigError(f"config.data.family: must be 'scicode' or 'srdd', got {cfg.data.family!r}")
     if cfg.mode in ("solve", "plan") and not cfg.task.strip():
         raise ConfigError(f"config.task: mode={cfg.mode} needs a task description (--config.task=\"...\")")
+    if cfg.train.epochs < 0:
+        raise ConfigError(f"config.train.epochs: must be >= 0, got {cfg.train.epochs}")
+    if len(cfg.parallel.mesh) != 3 or any(not isinstance(v, int) or (v < 1 and v != -1) for v in cfg.parallel.mesh):
+        raise ConfigError(f"config.parallel.mesh: must be 3 ints (data, fsdp, tensor), each >= 1 or -1, "
+                          f"got {tuple(cfg.parallel.mesh)}")
+    if not cfg.model.path:
+        raise ConfigError("config.model.path: required: an HF checkpoint directory, a .gguf file, or 'embedded'")
     if not check_paths:
         return
     if cfg.model.path != "embedded" and not Path(cfg.model.path).expanduser().exists():
@@ -94,5 +101,9 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
                     raise ConfigError(f"config.data.{field}: file {src} does not exist")
             elif not Path(cfg.data.dir).expanduser().exists():
                 raise ConfigError(f"config.data.dir: {cfg.data.dir} does not exist (needed for split {src!r})")
+    if (cfg.data.family == "scicode" and cfg.mode in ("train", "eval") and not cfg.data.scicode_h5
+            and any(src and not src.startswith("package:") for src in (cfg.data.train, cfg.data.eval))):
+        raise ConfigError("config.data.scicode_h5: required for the MoRSE SciCode splits (the official "
+                          "test_data.h5; without it only the 'package:dev' problems can be scored)")
     if cfg.data.scicode_h5 and not Path(cfg.data.scicode_h5).expanduser().exists():
         raise ConfigError(f"config.data.scicode_h5: {cfg.data.scicode_h5} does not exist")

@@ -73,7 +73,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.max_replans = 2
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 100
+    c.train.steps = 100  # HGRPO steps (each rolls out data.tasks_per_step tasks)
+    c.train.epochs = 0  # > 0: overrides steps with epochs * ceil(train tasks / tasks_per_step)
     c.train.lora_lr = 8e-5
     c.train.router_lr = 3e-5
     c.train.weight_decay = 0.01
@@ -101,3 +102,34 @@ def get_config() -> ml_collections.ConfigDict:
     c.parallel.num_processes = 0
     c.parallel.process_id = -1
     return c
+
+
+# Small overlays that turn any config into one of the paper's ablation rows (Table 2 / Table 4).
+# Config files take the variant as their argument: ``--config configs/qwen3_4b_srdd.py:B``.
+VARIANT_OVERLAYS = {
+    "A": {"variant": "A", "mode": "eval"},
+    "B": {"variant": "B", "mole.single_rank": 24},
+    "B++": {"variant": "B++", "mole.single_rank": 48},
+    "C": {"variant": "C"},
+    "D": {"variant": "D"},
+    "single_agent": {"variant": "single_agent", "mode": "eval"},
+    "base": {"variant": "base", "mode": "eval"},
+}
+
+
+def apply_variant(c: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+    """Apply the overlay of ablation variant ``name`` (a key of VARIANT_OVERLAYS) to ``c`` in place."""
+    if name not in VARIANT_OVERLAYS:
+        raise ValueError(f"config variant: unknown {name!r}; choose one of {sorted(VARIANT_OVERLAYS)}")
+    for dotted, value in VARIANT_OVERLAYS[name].items():
+        node = c
+        *groups, field = dotted.split(".")
+        for g in groups:
+            node = node[g]
+        node[field] = value
+    return c
+
+
+def variant_dir(name: str) -> str:
+    """A file-system-friendly name for a variant ("B++" -> "Bpp")."""
+    return name.replace("+", "p")

@@ -194,8 +194,11 @@ class Job:
                 start = int(restored.metadata["step"])
                 cursor = int(restored.metadata["data_cursor"])
                 print(f"resumed from {ckpt.workdir} at step {start} (set --config.fresh=True to start over)")
-        steps = cfg.train.steps
+        writer.drop_after(start, "train")
         n_tasks = len(self.train_tasks)
+        steps = cfg.train.steps
+        if cfg.train.epochs > 0:
+            steps = cfg.train.epochs * -(-n_tasks // cfg.data.tasks_per_step)
         bar = tqdm(range(start, steps), desc=f"train {self.variant}", unit="step", initial=start, total=steps,
                    disable=None)
         last = {}

@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from absl import app, flags
@@ -28,6 +29,8 @@ def run(cfg) -> int:
 
     t_start = time.time()
     workdir = Path(cfg.workdir).expanduser()
+    if cfg.fresh and cfg.mode == "train":
+        _clear_run(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(cfg.to_json(indent=2))
     if cfg.mode in ("plan", "solve"):
@@ -55,6 +58,18 @@ def run(cfg) -> int:
     writer.close()
     print(f"report: {report}")
     return 0
+
+
+def _clear_run(workdir: Path) -> None:
+    """--config.fresh=True: drop a previous run's checkpoints, metrics and report (nothing else)."""
+    import shutil
+
+    for name in ("checkpoints", "tb"):
+        shutil.rmtree(workdir / name, ignore_errors=True)
+    for name in ("metrics.jsonl", "report.md", "report.json", "config.json"):
+        (workdir / name).unlink(missing_ok=True)
+    for png in workdir.glob("*.png") if workdir.exists() else ():
+        png.unlink()
 
 
 def _solve(cfg, *, plan_only: bool) -> int:
@@ -86,6 +101,17 @@ def _free_text_family(cfg):
     return SRDDFamily()
 
 
+def _quiet_logs() -> None:
+    # absl routes every library's INFO records (orbax prints whole option dumps) to stderr;
+    # progress bars and our own summary lines are the user-facing output.
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("morse_jax").setLevel(logging.INFO)
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+
+
 def main(argv):
     del argv
     cfg = _CONFIG.value
@@ -94,9 +120,47 @@ def main(argv):
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _quiet_logs()
     return run(cfg)
 
 
+def _unknown_override(argv) -> str | None:
+    """The first ``--config.a.b=`` override naming a field the config schema doesn't have."""
+    from morse_jax.default_config import get_config as defaults
+
+    schema = defaults()
+    for arg in argv[1:]:
+        if not arg.startswith("--config."):
+            continue
+        node, path = schema, arg[2:].split("=", 1)[0].split(".")[1:]
+        for i, part in enumerate(path):
+            if not hasattr(node, "keys") or part not in node:
+                return "config." + ".".join(path[:i + 1])
+            node = node[part]
+    return None
+
+
+def parse_flags(argv):
+    """absl flag parsing, but a bad override is one line naming the field, not a traceback."""
+    for i, arg in enumerate(argv[1:], 1):
+        path = arg[len("--config="):] if arg.startswith("--config=") else None
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        if path is not None and not Path(path.split(":", 1)[0]).is_file():
+            print(f"config error: --config: no such config file {path.split(':', 1)[0]!r}", file=sys.stderr)
+            sys.exit(2)
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        # An exception inside a config file's get_config() arrives as a whole traceback.
+        msg = f"{lines[0]} {lines[-1]}" if any(ln.startswith("Traceback") for ln in lines) else " ".join(lines)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        field = _unknown_override(argv)
+        msg = f"{field}: unknown field" if field else f"{type(e).__name__}: {e}"
+    print(f"config error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

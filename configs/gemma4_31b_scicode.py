@@ -1,0 +1,11 @@
+"""Paper config: gemma4_31b on scicode (App. E hyper-parameters, see morse_jax/paper_configs.py).
+
+    python -m morse_jax.main --config configs/gemma4_31b_scicode.py --config.model.path=/path/to/checkpoint
+    python -m morse_jax.main --config configs/gemma4_31b_scicode.py:B ...   # ablation row B (A, B, B++, C, D, single_agent)
+"""
+
+from morse_jax.paper_configs import paper_config
+
+
+def get_config(variant="D"):
+    return paper_config("gemma4_31b", "scicode", variant)

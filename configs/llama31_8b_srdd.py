@@ -1,0 +1,11 @@
+"""Paper config: llama31_8b on srdd (App. E hyper-parameters, see morse_jax/paper_configs.py).
+
+    python -m morse_jax.main --config configs/llama31_8b_srdd.py --config.model.path=/path/to/checkpoint
+    python -m morse_jax.main --config configs/llama31_8b_srdd.py:B ...   # ablation row B (A, B, B++, C, D, single_agent)
+"""
+
+from morse_jax.paper_configs import paper_config
+
+
+def get_config(variant="D"):
+    return paper_config("llama31_8b", "srdd", variant)

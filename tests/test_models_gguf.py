@@ -132,3 +132,12 @@ def test_hf_directory_with_tokenizer_files(smollm2_backbone, tiny_hf_model):
     bb = load_backbone(path)
     assert bb.tokenizer is not None
     assert encode_chat(bb.tokenizer, PROMPTS[1]) == encode_chat(tok, PROMPTS[1])
+
+
+def test_final_assistant_message_is_an_open_answer_prefix(smollm2_backbone):
+    """A trailing assistant message renders unclosed after the generation prompt (planner prefix)."""
+    tok = smollm2_backbone.tokenizer
+    plain = encode_chat(tok, PROMPTS[0])
+    prefixed = encode_chat(tok, [*PROMPTS[0], {"role": "assistant", "content": '{"nodes": ['}])
+    assert prefixed[:len(plain)] == plain
+    assert tok.decode(prefixed[len(plain):]) == '{"nodes": ['

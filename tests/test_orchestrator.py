@@ -448,3 +448,14 @@ def test_render_trace_shows_dag_statuses_and_artifacts():
     assert "== a: A [passed]" in text and "   | art a" in text
     assert "== b: B [failed]" in text and "bad output at b" in text
     assert "== d: D [blocked] blocked by failed node b" in text
+
+
+def test_planner_prefix_starts_the_answer_and_is_parsed_with_it():
+    prefix = '{"nodes": ['
+    full = good_plan_json("a1", "a2")
+    assert full.startswith(prefix)
+    h = Harness(planner_script=lambda text, info: full[len(prefix):])  # the model continues the prefix
+    res = h.orchestrator(mode="eval", planner_prefix=prefix).run([task("A")])
+    plan_prompt = h.requests_of("plan")[0]["messages"]
+    assert plan_prompt[-1] == {"role": "assistant", "content": prefix}
+    assert [n.id for n in res.traces["A"].plan.nodes] == ["a1", "a2"] and res.counters.replans == 0

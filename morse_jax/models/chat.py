@@ -9,6 +9,9 @@ def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_ge
                 enable_thinking: bool | None = None) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template.
 
+    A final ``assistant`` message is a prefix of the answer: the template renders it unclosed
+    (``continue_final_message``) so generation continues it.
+
     ``enable_thinking`` is passed to templates that accept it (Qwen3); None leaves the default.
     Raises ValueError when the tokenizer has no chat template.
     """
@@ -20,6 +23,9 @@ def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_ge
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise ValueError(f"encode_chat: messages[{i}] must be a mapping with 'role' and 'content'")
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    if messages and messages[-1]["role"] == "assistant":
+        kwargs.update(continue_final_message=True)
+        add_generation_prompt = False
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

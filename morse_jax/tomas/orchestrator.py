@@ -243,7 +243,9 @@ class Orchestrator:
             if not pending:
                 break
             order = list(pending)
-            reqs = [self._request(self.encode_fn(pending[i][1]), (), cfg.planner_sampling) for i in order]
+            prefix = [{"role": "assistant", "content": cfg.planner_prefix}] if cfg.planner_prefix else []
+            reqs = [self._request(self.encode_fn([*pending[i][1], *prefix]), (), cfg.planner_sampling)
+                    for i in order]
             counters.planner_rounds += 1
             counters.planner_requests.append(len(reqs))
             if rnd > 1:
@@ -252,11 +254,12 @@ class Orchestrator:
             for tid, comp in zip(order, comps):
                 base, _, notes = pending[tid]
                 try:
-                    plan = self._parse_plan(comp.text)
+                    text = cfg.planner_prefix + comp.text
+                    plan = self._parse_plan(text)
                 except ValueError as e:  # PlanParseError / PlanValidationError
                     note = f"planner attempt {rnd} rejected: {e}"
                     logger.warning("task %s: %s", tid, note)
-                    pending[tid] = (base, _planner._replan_messages(base, comp.text, str(e)), notes + [note])
+                    pending[tid] = (base, _planner._replan_messages(base, text, str(e)), notes + [note])
                     continue
                 for r in plan.repairs:
                     logger.info("task %s: plan repair: %s", tid, r)

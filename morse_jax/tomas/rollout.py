@@ -301,6 +301,8 @@ class OrchestratorConfig:
     single_agent: no DAG: one node holding the whole task, same verify-and-regenerate budget.
     train_sampling / eval_sampling / planner_sampling: decoding settings per kind of call.
     min_nodes / max_nodes / max_replans: planner bounds and re-plan budget.
+    planner_prefix: text the planner's answer is made to start with (an assistant-turn prefix,
+      e.g. '{"nodes": ['): small models then write the JSON instead of code. "" = none.
     verify_workers: threads verifying a wave's artifacts concurrently.
     raise_verifier_errors: re-raise an exception from extract/verify instead of scoring the
       candidate as a gate failure (the default logs it and counts it in ``verifier_errors``).
@@ -323,6 +325,7 @@ class OrchestratorConfig:
     min_nodes: int = 2
     max_nodes: int = 8
     max_replans: int = 2
+    planner_prefix: str = ""
     verify_workers: int = 4
     raise_verifier_errors: bool = False
     seed: int = 0

@@ -230,7 +230,8 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _load_gguf(path: Path, dtype) -> tuple[ModelConfig, dict]:
     import gguf
-    from transformers import AutoConfig
+
+    from morse_jax.models import gguf_meta
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -241,7 +242,7 @@ def _load_gguf(path: Path, dtype) -> tuple[ModelConfig, dict]:
     if arch not in ("llama",):
         raise WeightLoadError(f"{path}: GGUF architecture {arch!r} is not supported (supported: llama)")
     try:
-        hf_cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        hf_cfg = gguf_meta.hf_config(path)
     except Exception as e:
         raise WeightLoadError(f"{path}: cannot read the model config from GGUF metadata: {e}") from e
     cfg = from_hf_config(hf_cfg)
@@ -288,7 +289,9 @@ def load_tokenizer(path: str | os.PathLike):
     p = Path(path)
     try:
         if p.suffix == ".gguf":
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+            from morse_jax.models import gguf_meta
+
+            return gguf_meta.tokenizer(p)  # transformers' gguf_file= path needs torch
         if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
             warnings.warn(f"{p}: no tokenizer files; Backbone.tokenizer is None")
             return None

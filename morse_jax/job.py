@@ -172,6 +172,32 @@ class Job:
         finally:
             bar.close()
 
+    def checkpointer(self) -> Checkpointer:
+        return Checkpointer(self.workdir / "checkpoints", max_to_keep=self.cfg.train.keep_checkpoints,
+                            frozen=self.backbone.params)
+
+    def _restore(self, ckpt: Checkpointer, opt_state):
+        """Latest valid checkpoint into ``self.trainable`` / ``self.key``; the Restored or None."""
+        restored = ckpt.restore_latest_valid({"trainable": self.trainable, "opt_state": opt_state, "key": self.key})
+        if restored is not None:
+            self.trainable = restored.state["trainable"]
+            self.key = restored.state["key"]
+        return restored
+
+    def restore(self) -> str:
+        """Load the work directory's latest valid checkpoint for eval / diagnose; says what was loaded."""
+        if self.trainable is None:
+            return "no trainable state (variant without adapters)"
+        if self.cfg.fresh or not (self.workdir / "checkpoints").is_dir():
+            return "untrained (no checkpoint in the work directory)"
+        trainer = Trainer(self.backbone.config, self.backbone.params, self.spec, self.tcfg)
+        ckpt = self.checkpointer()
+        try:
+            restored = self._restore(ckpt, trainer.init_opt_state(self.trainable))
+        finally:
+            ckpt.close()
+        return "untrained (no valid checkpoint)" if restored is None else f"checkpoint step {int(restored.metadata['step'])}"
+
     def train(self, writer: MetricsWriter) -> dict:
         """HGRPO training with checkpoints; resumes from the work directory unless config.fresh."""
         cfg = self.cfg
@@ -181,19 +207,14 @@ class Job:
             raise ValueError("config.data.train: no training tasks were loaded")
         trainer = Trainer(self.backbone.config, self.backbone.params, self.spec, self.tcfg)
         opt_state = trainer.init_opt_state(self.trainable)
-        ckpt = Checkpointer(self.workdir / "checkpoints", max_to_keep=cfg.train.keep_checkpoints,
-                            frozen=self.backbone.params)
+        ckpt = self.checkpointer()
         start, cursor = 0, 0
-        if not cfg.fresh:
-            target = {"trainable": self.trainable, "opt_state": opt_state, "key": self.key}
-            restored = ckpt.restore_latest_valid(target)
-            if restored is not None:
-                self.trainable = restored.state["trainable"]
-                opt_state = restored.state["opt_state"]
-                self.key = restored.state["key"]
-                start = int(restored.metadata["step"])
-                cursor = int(restored.metadata["data_cursor"])
-                print(f"resumed from {ckpt.workdir} at step {start} (set --config.fresh=True to start over)")
+        restored = None if cfg.fresh else self._restore(ckpt, opt_state)
+        if restored is not None:
+            opt_state = restored.state["opt_state"]
+            start = int(restored.metadata["step"])
+            cursor = int(restored.metadata["data_cursor"])
+            print(f"resumed from {ckpt.workdir} at step {start} (set --config.fresh=True to start over)")
         writer.drop_after(start, "train")
         n_tasks = len(self.train_tasks)
         steps = cfg.train.steps

@@ -43,6 +43,8 @@ def run(cfg) -> int:
     print(f"morse_jax: {cfg.mode} variant={cfg.variant} model={job.backbone.source} "
           f"train_tasks={len(job.train_tasks)} eval_tasks={len(job.eval_tasks)} workdir={workdir}")
     writer = MetricsWriter(workdir)
+    if cfg.mode == "eval":
+        print(f"evaluating: {job.restore()}")
     if cfg.mode == "train":
         last = job.train(writer)
         if last:

@@ -285,29 +285,6 @@ def render_markdown(result: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------- CLI glue
 
 
-def _restore_trainable(job) -> str:
-    """Load the latest valid checkpoint of the job's work directory into ``job.trainable``."""
-    from morse_jax.checkpoint import Checkpointer
-    from morse_jax.rl.train_step import Trainer
-
-    if job.trainable is None:
-        return "no trainable state (variant without adapters)"
-    ckpt_dir = job.workdir / "checkpoints"
-    if job.cfg.fresh or not ckpt_dir.is_dir():
-        return "untrained (no checkpoint in the work directory)"
-    trainer = Trainer(job.backbone.config, job.backbone.params, job.spec, job.tcfg)
-    ckpt = Checkpointer(ckpt_dir, frozen=job.backbone.params)
-    try:
-        target = {"trainable": job.trainable, "opt_state": trainer.init_opt_state(job.trainable), "key": job.key}
-        restored = ckpt.restore_latest_valid(target)
-    finally:
-        ckpt.close()
-    if restored is None:
-        return "untrained (no valid checkpoint)"
-    job.trainable = restored.state["trainable"]
-    return f"checkpoint step {int(restored.metadata['step'])}"
-
-
 def run_diagnose(cfg) -> int:
     """``--config.mode=diagnose``: evaluate with the latest checkpoint, then run every diagnostic."""
     from morse_jax.analysis.activations import activation_fn_for, adapted_layers
@@ -315,7 +292,7 @@ def run_diagnose(cfg) -> int:
     from morse_jax.tasks.embedding import SentenceEmbedder
 
     job = Job(cfg)
-    state = _restore_trainable(job)
+    state = job.restore()
     print(f"diagnose: variant={cfg.variant} model={job.backbone.source} trainable={state} "
           f"eval_tasks={len(job.eval_tasks)}")
     result = job.run_tasks(job.eval_tasks, "eval", "diagnose")

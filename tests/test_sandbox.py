@@ -358,3 +358,19 @@ def test_forced_bwrap_without_bwrap_raises(monkeypatch):
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="bwrap not found"):
         run_python("print(1)", mode="bwrap")
+
+
+@needs_bwrap
+def test_interpreter_under_tmp_is_visible_in_the_sandbox(tmp_path):
+    # Regression: a checkout (and its .venv) under /tmp was hidden by the run's private /tmp,
+    # so bwrap was judged unusable and the sandbox fell back to rlimits only.
+    venv = Path(tempfile.mkdtemp(dir="/tmp", prefix="sbx_venv_"))
+    venv.chmod(0o755)  # like a checkout; mkdtemp's 0700 would shut out the sandbox uid anyway
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        python = str(venv / "bin" / "python")
+        r = run_python("import sys; print(sys.prefix)", python=python, mode="bwrap")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == str(venv)
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)

@@ -360,6 +360,22 @@ def _is_under(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
+def _rebind_inside(argv: list[str], top: str, needed: Sequence[str]) -> None:
+    """Make the interpreter's directories under ``top`` visible again after ``top`` was replaced
+    (a tmpfs home, the run's private /tmp): read-only binds, parents created 0755."""
+    inside = [p for p in needed if _is_under(p, top) and p != top]
+    made = {top}
+    for p in inside:
+        if any(p != q and _is_under(p, q) for q in inside):
+            continue
+        for parent in map(str, reversed(Path(p).parents)):
+            if _is_under(parent, top) and parent not in made:
+                # bwrap would create it 0700, unreachable for the sandbox uid
+                argv += ["--perms", "0755", "--dir", parent]
+                made.add(parent)
+        argv += ["--ro-bind", p, p]
+
+
 def _bwrap_argv(python: str, tmp: Path, shm: Path, uid: int | None) -> list[str]:
     argv = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev",
             "--proc", "/proc"]
@@ -367,18 +383,10 @@ def _bwrap_argv(python: str, tmp: Path, shm: Path, uid: int | None) -> list[str]
     homes = {"/root", os.path.expanduser("~")}  # keys, tokens, caches live there
     for home in sorted(h for h in homes if h != "/" and os.path.isdir(h) and not os.path.islink(h)):
         argv += ["--tmpfs", home]
-        inside = [p for p in needed if _is_under(p, home)]
-        made = {home}
-        for p in inside:
-            if any(p != q and _is_under(p, q) for q in inside):
-                continue
-            for parent in map(str, reversed(Path(p).parents)):
-                if _is_under(parent, home) and parent not in made:
-                    # bwrap would create it 0700, unreachable for the sandbox uid
-                    argv += ["--perms", "0755", "--dir", parent]
-                    made.add(parent)
-            argv += ["--ro-bind", p, p]
-    argv += ["--bind", str(tmp), "/tmp", "--bind", str(shm), "/dev/shm", "--chdir", INNER_WORK]
+        _rebind_inside(argv, home, needed)
+    argv += ["--bind", str(tmp), "/tmp", "--bind", str(shm), "/dev/shm"]
+    _rebind_inside(argv, "/tmp", needed)  # e.g. a checkout (and its .venv) under /tmp
+    argv += ["--chdir", INNER_WORK]
     if uid is None:
         argv += ["--unshare-all"]
     else:  # no user namespace, or setpriv could not switch to an unmapped uid

@@ -323,11 +323,13 @@ def _valid_members(members: Array, num_experts: int) -> Array:
 
 
 def routing_entropy(probs: Array) -> Array:
-    """Shannon entropy (nats) of each routing distribution. float[N, K_s] -> float[N].
+    """Shannon entropy (nats) of each routing distribution. float[..., K_s] -> float[...].
 
     Zero-probability entries contribute 0 with a zero (finite) gradient.
     """
-    chex.assert_rank(probs, 2)
+    probs = jnp.asarray(probs)
+    if probs.ndim < 1:
+        raise ValueError("probs: expected shape [..., K], got a scalar")
     p = probs.astype(_float_dtype(probs.dtype))
     positive = p > 0
     return -jnp.sum(jnp.where(positive, p * jnp.log(jnp.where(positive, p, 1.0)), 0.0), axis=-1)

@@ -25,6 +25,9 @@ import chex
 import jax
 import jax.numpy as jnp
 
+# The regularisers live with the router they regularise; re-exported as part of the loss API.
+from morse_jax.mole.router import prototype_orthogonality, routing_entropy  # noqa: F401
+
 __all__ = [
     "masked_sequence_mean",
     "ppo_clip_token_loss",
@@ -174,32 +177,6 @@ def _router_core(new_set_logp, old_set_logp, advantages, alpha_pi, eps, reinforc
 
 
 @jax.jit
-def routing_entropy(probs) -> jax.Array:
-    """float[...] Shannon entropy (nats) of routing distributions probs[..., K].
-
-    Zero-probability entries contribute 0 with a finite (zero) gradient."""
-    p = _f32(probs)
-    if p.ndim < 1:
-        raise ValueError("probs: expected shape [..., K], got a scalar")
-    positive = p > 0
-    safe_log = jnp.log(jnp.where(positive, p, 1.0))
-    return -jnp.sum(jnp.where(positive, p * safe_log, 0.0), axis=-1)
-
-
-@jax.jit
-def prototype_orthogonality(prototypes, *, eps: float = 1e-12) -> jax.Array:
-    """||P_hat P_hat^T - I||_F^2 for prototypes[K, D] with rows L2-normalised.
-
-    Zero iff the K prototype directions are mutually orthogonal (needs K <= D).
-    ``eps`` guards the normalisation of an all-zero row. Returns a float32 scalar.
-    """
-    p = _f32(prototypes)
-    chex.assert_rank(p, 2)
-    p_hat = p / jnp.sqrt(jnp.maximum(jnp.sum(p * p, axis=-1, keepdims=True), eps))
-    gram = p_hat @ p_hat.T
-    return jnp.sum(jnp.square(gram - jnp.eye(p.shape[0], dtype=gram.dtype)))
-
-
 @jax.jit
 def kl_to_base(new_logp, base_logp, mask) -> jax.Array:
     """k3 estimate of KL(new || base) on sampled tokens, aggregated like the PPO loss.

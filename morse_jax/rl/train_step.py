@@ -93,9 +93,14 @@ def sequence_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | Non
 
 
 class Trainer:
-    """Owns the jitted gradient functions for one backbone and bank layout."""
+    """Owns the jitted gradient functions for one backbone and bank layout.
 
-    def __init__(self, model_cfg: ModelConfig, frozen_params, spec: ExpertBankSpec, cfg: TrainConfig):
+    With a ``mesh`` the functions run with explicit in/out shardings: frozen weights by the
+    logical-axis rules, batch rows split over (data, fsdp), trainable params, gradients and
+    optimizer state replicated (``morse_jax.parallel.sharded.trainer_functions``).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, frozen_params, spec: ExpertBankSpec, cfg: TrainConfig, mesh=None):
         self.model_cfg, self.spec, self.cfg = model_cfg, spec, cfg
         self.frozen = split_segments(frozen_params, spec.n_adapt)
         self.tx = make_optimizer(cfg)
@@ -104,6 +109,11 @@ class Trainer:
         self._router_grad = jax.jit(self._router_grad_impl, static_argnames=("reinforce",))
         self._apply = jax.jit(self._apply_impl, donate_argnums=(0, 1))
         self._logprobs = jax.jit(functools.partial(sequence_logprobs, model_cfg=model_cfg, spec=spec))
+        self.mesh = mesh
+        if mesh is not None:  # frozen params and batches sharded, trainable replicated (morse_jax.parallel)
+            from morse_jax.parallel.sharded import trainer_functions
+
+            self.frozen, self._lora_grad, self._router_grad, self._apply, self._logprobs = trainer_functions(self, mesh)
 
     # ---------------------------------------------------------------- device
 

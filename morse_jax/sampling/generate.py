@@ -135,11 +135,13 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
 class Sampler:
     """Compiled generation for one backbone (and optionally one expert-bank layout).
 
-    ``compile_count`` counts traces of the prefill and decode functions.
+    ``compile_count`` counts traces of the prefill and decode functions. With a ``mesh``
+    (``morse_jax.parallel.make_mesh``) both run with explicit in/out shardings: backbone weights
+    by the logical-axis rules, batch rows and caches split over (data, fsdp), the bank replicated.
     """
 
     def __init__(self, backbone: Backbone, spec: ExpertBankSpec | None = None,
-                 config: SamplerConfig = SamplerConfig()):
+                 config: SamplerConfig = SamplerConfig(), mesh=None):
         self.backbone, self.spec, self.config = backbone, spec, config
         self.cfg = backbone.config
         self._n_adapt = spec.n_adapt if spec is not None else 0
@@ -153,6 +155,11 @@ class Sampler:
         self.last_stats: dict[str, float] = {}
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("cache_len", "chunk"))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(2,))
+        self.mesh = mesh
+        if mesh is not None:  # params, batches and caches sharded over the mesh (morse_jax.parallel)
+            from morse_jax.parallel.sharded import sampler_functions
+
+            self._params, self._prefill, self._decode = sampler_functions(self, mesh)
 
     # ------------------------------------------------------------------ device functions
 

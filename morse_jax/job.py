@@ -269,6 +269,12 @@ class Job:
         metrics.update({"variant": self.variant, "tasks": len(tasks), "eval_s": time.time() - t0,
                         "router_probs": _router_probs(result),
                         "expert_sets": _expert_sets(result, self.spec)})
+        if self.spec is not None and self.spec.num_subtask >= self.cfg.mole.top_k:
+            from morse_jax.analysis.records import records_from_traces
+            from morse_jax.analysis.utilisation import utilisation
+
+            metrics["utilisation"] = utilisation(records_from_traces(result.traces),
+                                                 num_subtask=self.spec.num_subtask)
         if writer is not None:
             writer.write({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))}, step=0,
                          kind="eval")

@@ -6,18 +6,21 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-SCICODE_COLS = (("step_pass", "Step Pass"), ("mean_step_pass", "Mean Step Pass"), ("problem_pass", "Problem Pass"))
-SRDD_COLS = (("exec", "Exec"), ("eci_mean", "ECI mean"), ("eci_product", "ECI product"))
+# (metric key, column name, format): percentages as in the paper's tables, ECI as a fraction.
+SCICODE_COLS = (("step_pass", "Step Pass (%)", "pct"), ("mean_step_pass", "Mean Step Pass (%)", "pct"),
+                ("problem_pass", "Problem Pass (%)", "pct"))
+SRDD_COLS = (("exec", "Exec (%)", "pct"), ("eci_mean", "ECI mean", "frac"), ("eci_product", "ECI product", "frac"))
 VARIANT_NAMES = {"A": "A: MoRSE untrained", "B": "B: single LoRA (r=24) + GRPO", "B++": "B++: single LoRA (r=48) + GRPO",
                  "C": "C: MoLE + flat GRPO", "D": "D: MoLE + HGRPO (MoRSE)", "single_agent": "Single agent",
                  "base": "Backbone only"}
 
 
 def _table(rows: Sequence[Mapping[str, Any]], cols) -> list[str]:
-    lines = ["| Variant | " + " | ".join(name for _, name in cols) + " |",
+    lines = ["| Variant | " + " | ".join(name for _, name, _ in cols) + " |",
              "|---|" + "---|" * len(cols)]
     for r in rows:
-        cells = [f"{100 * r[k]:.1f}" if isinstance(r.get(k), (int, float)) else "–" for k, _ in cols]
+        cells = [("–" if not isinstance(r.get(k), (int, float)) else f"{100 * r[k]:.2f}" if fmt == "pct"
+                  else f"{r[k]:.3f}") for k, _, fmt in cols]
         lines.append(f"| {VARIANT_NAMES.get(r['variant'], r['variant'])} | " + " | ".join(cells) + " |")
     return lines
 
@@ -79,17 +82,14 @@ def write_report(workdir: str | Path, *, family: str, evals: Sequence[Mapping[st
     md = [f"# morse_jax report ({family})", ""]
     if run_info:
         md += [f"- {k}: {v}" for k, v in run_info.items()] + [""]
-    md += ["## Results (paper Table 1/2 layout, %)", ""] + _table(evals, cols) + [""]
-    md += ["## Router utilisation (paper Table 5 layout: share of execute calls per expert set)", ""]
+    md += ["## Results (paper Table 1/2 layout)", ""] + _table(evals, cols) + [""]
+    md += ["## Router utilisation (paper Table 5 layout)", ""]
     for e in evals:
-        sets = e.get("expert_sets", {})
-        if sets:
-            total = sum(sets.values())
-            md.append(f"**{VARIANT_NAMES.get(e['variant'], e['variant'])}**")
-            md.append("")
-            md += ["| Expert set | Share |", "|---|---|"]
-            md += [f"| {k} | {100 * v / total:.1f}% |" for k, v in sorted(sets.items(), key=lambda kv: -kv[1])]
-            md.append("")
+        util = e.get("utilisation")
+        if util and util.get("subtasks"):
+            from morse_jax.analysis.utilisation import render_utilisation_table
+
+            md += [f"**{VARIANT_NAMES.get(e['variant'], e['variant'])}**", "", render_utilisation_table(util), ""]
     if train:
         md += ["## Training", "", "| step | reward mean | reward std | skipped routes | sequences | update s |",
                "|---|---|---|---|---|---|"]

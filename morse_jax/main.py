@@ -54,12 +54,38 @@ def run(cfg) -> int:
     print("eval: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
                                  if not isinstance(v, (list, dict))}))
     train_recs = writer.read("train")
-    report = write_report(workdir, family=cfg.data.family, evals=[metrics], train=train_recs,
+    (workdir / "eval.json").write_text(json.dumps({"comparable": _comparable(cfg), "metrics": metrics}, default=str))
+    report = write_report(workdir, family=cfg.data.family, evals=[metrics, *_sibling_evals(workdir, cfg)],
+                          train=train_recs,
                           run_info={"mode": cfg.mode, "variant": cfg.variant, "model": job.backbone.source,
                                     "train steps": len(train_recs), "wall time (s)": round(time.time() - t_start, 1)})
     writer.close()
     print(f"report: {report}")
     return 0
+
+
+def _comparable(cfg) -> dict:
+    """What must match for two runs' evaluations to share one results table."""
+    d = cfg.data
+    return {"model": cfg.model.path, "family": d.family, "eval": d.eval, "eval_ids": list(d.eval_ids),
+            "max_eval_tasks": d.max_eval_tasks, "eval_max_new_tokens": cfg.rollout.eval_max_new_tokens}
+
+
+def _sibling_evals(workdir: Path, cfg) -> list[dict]:
+    """Evaluations of other variants next to this work directory on the same model and eval set,
+    so report.md's Table 1/2 lists every variant that was run (e.g. runs/quickstart_B)."""
+    out = []
+    for f in sorted(workdir.resolve().parent.glob("*/eval.json")):
+        if f.parent == workdir.resolve():
+            continue
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("comparable") == json.loads(json.dumps(_comparable(cfg))) and \
+                rec["metrics"].get("variant") != cfg.variant:
+            out.append(rec["metrics"])
+    return out
 
 
 def _clear_run(workdir: Path) -> None:
@@ -68,7 +94,7 @@ def _clear_run(workdir: Path) -> None:
 
     for name in ("checkpoints", "tb"):
         shutil.rmtree(workdir / name, ignore_errors=True)
-    for name in ("metrics.jsonl", "report.md", "report.json", "config.json"):
+    for name in ("metrics.jsonl", "report.md", "report.json", "config.json", "eval.json"):
         (workdir / name).unlink(missing_ok=True)
     for png in workdir.glob("*.png") if workdir.exists() else ():
         png.unlink()

@@ -49,3 +49,20 @@ def test_metrics_drop_after_keeps_other_kinds(tmp_path):
     w.write({"score": 1.0}, step=3, kind="eval")
     w.drop_after(1, "train")
     assert [r["step"] for r in w.read("train")] == [1] and len(w.read("eval")) == 1
+
+
+def test_report_gathers_other_variants_run_on_the_same_eval_set(tmp_path):
+    from morse_jax.default_config import get_config
+    from morse_jax.main import _comparable, _sibling_evals
+
+    cfg = get_config()
+    for name, variant, model in (("quickstart_B", "B", "embedded"), ("quickstart_A", "A", "embedded"),
+                                 ("other_model", "C", "/ckpt/x")):
+        (tmp_path / name).mkdir()
+        c = get_config()
+        c.variant, c.model.path = variant, model
+        (tmp_path / name / "eval.json").write_text(json.dumps({"comparable": _comparable(c),
+                                                               "metrics": {"variant": variant}}))
+    (tmp_path / "quickstart").mkdir()
+    got = _sibling_evals(tmp_path / "quickstart", cfg)
+    assert sorted(m["variant"] for m in got) == ["A", "B"]  # the other model's run is not comparable

@@ -59,6 +59,12 @@ def _hf_layer_names(cfg: ModelConfig) -> dict[str, str]:
         "up/kernel": "layers.{i}.mlp.up_proj.weight",
         "down/kernel": "layers.{i}.mlp.down_proj.weight",
     }
+    if cfg.per_layer_input_size:  # Gemma 4 per-layer inputs
+        names["ple_gate/kernel"] = "layers.{i}.per_layer_input_gate.weight"
+        names["ple_out/kernel"] = "layers.{i}.per_layer_projection.weight"
+        names["ple_post_norm"] = "layers.{i}.post_per_layer_input_norm.weight"
+    if cfg.layer_scalar:
+        names["layer_scalar"] = "layers.{i}.layer_scalar"
     if cfg.post_norms:  # Gemma: post_attention_layernorm is the *post*-attention norm
         names["post_attn_norm"] = "layers.{i}.post_attention_layernorm.weight"
         names["mlp_norm"] = "layers.{i}.pre_feedforward_layernorm.weight"
@@ -98,7 +104,6 @@ def _assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], top: dict[str,
     ``locate(name)`` names the file holding a tensor in error messages (default: ``source``).
     """
     shapes = param_shapes(cfg)
-    layer_shapes = shapes["layers"][0]
     np_dtype = jnp.dtype(dtype)  # a numpy dtype (ml_dtypes for bfloat16)
     locate = locate or (lambda name: source)
 
@@ -122,23 +127,31 @@ def _assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], top: dict[str,
     params: dict[str, Any] = {}
     for ours, theirs in top.items():
         want = shapes[ours]
-        params[ours] = fetch(theirs, want, ours == "lm_head")  # lm_head: HF [V, d] -> ours [d, V]
+        # lm_head / ple_proj: HF [out, in] -> ours [in, out]
+        params[ours] = fetch(theirs, want, ours in ("lm_head", "ple_proj"))
         bar.update()
-    layers: dict[str, Any] = {}
-    for path, template in layer_names.items():
-        parts = path.split("/")
-        want = layer_shapes[parts[0]] if len(parts) == 1 else layer_shapes[parts[0]][parts[1]]
-        per_layer = []
-        for i in range(cfg.num_layers):
-            per_layer.append(fetch(template.format(i=i), want[1:], parts[-1] == "kernel"))
-            bar.update()
-        stacked = np.stack(per_layer)
-        if len(parts) == 1:
-            layers[parts[0]] = stacked
-        else:
-            layers.setdefault(parts[0], {})[parts[1]] = stacked
+    segments, start = [], 0
+    for seg_shapes in shapes["layers"]:  # one segment for all families but Gemma 4 (layers differ)
+        n = seg_shapes["attn_norm"][0]
+        layers: dict[str, Any] = {}
+        for path, template in layer_names.items():
+            parts = path.split("/")
+            if parts[0] not in seg_shapes:  # e.g. v of a Gemma 4 k = v layer, k of a KV-shared one
+                continue
+            want = seg_shapes[parts[0]] if len(parts) == 1 else seg_shapes[parts[0]][parts[1]]
+            per_layer = []
+            for i in range(start, start + n):
+                per_layer.append(fetch(template.format(i=i), want[1:], parts[-1] == "kernel"))
+                bar.update()
+            stacked = np.stack(per_layer)
+            if len(parts) == 1:
+                layers[parts[0]] = stacked
+            else:
+                layers.setdefault(parts[0], {})[parts[1]] = stacked
+        segments.append(layers)
+        start += n
     bar.close()
-    params["layers"] = (layers,)
+    params["layers"] = tuple(segments)
     return params
 
 
@@ -160,6 +173,8 @@ def _load_hf_dir(path: Path, dtype) -> tuple[ModelConfig, dict]:
         cfg = from_hf_config(hf_cfg)
     except ValueError as e:
         raise WeightLoadError(f"{cfg_file}: {e}") from e
+    except NotImplementedError as e:  # a known family's variant we do not implement (Gemma 4 MoE, ...)
+        raise NotImplementedError(f"{cfg_file}: {e}") from e
 
     files = sorted(path.glob("*.safetensors"))
     index_file = path / "model.safetensors.index.json"
@@ -204,6 +219,10 @@ def _load_hf_dir(path: Path, dtype) -> tuple[ModelConfig, dict]:
             raise WeightLoadError(f"{where[name]}: tensor {name!r} is unreadable: {e}") from e
 
     top = {"embed": prefix + "embed_tokens.weight", "final_norm": prefix + "norm.weight"}
+    if cfg.per_layer_input_size:
+        top.update(ple_embed=prefix + "embed_tokens_per_layer.weight",
+                   ple_proj=prefix + "per_layer_model_projection.weight",
+                   ple_norm=prefix + "per_layer_projection_norm.weight")
     if not cfg.tie_embeddings:
         lm = "lm_head.weight" if "lm_head.weight" in where else prefix.replace("model.", "", 1) + "lm_head.weight"
         top["lm_head"] = lm

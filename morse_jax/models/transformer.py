@@ -1,4 +1,4 @@
-"""The decoder: one pure-function implementation for Llama, Qwen3 and Gemma 3.
+"""The decoder: one pure-function implementation for Llama, Qwen3, Gemma 3 and Gemma 4 (text).
 
 Params are a plain pytree (see :func:`param_shapes`). Layers are grouped into *segments*:
 ``params["layers"]`` is a tuple of segments, each either
@@ -8,7 +8,10 @@ Params are a plain pytree (see :func:`param_shapes`). Layers are grouped into *s
   since per-layer cache buffers update in place where a scanned, stacked cache is copied).
 
 A freshly loaded backbone has one segment; :func:`split_segments` splits off the last ``L_adapt``
-layers so that LoRA experts attach to that segment only (``morse_jax.mole``).
+layers so that LoRA experts attach to that segment only (``morse_jax.mole``). Gemma 4 layers
+differ in shape (wider full-attention heads, no v where k = v, no k/v in KV-shared layers), so
+there every run of identically shaped layers is its own stacked segment and the adapted layers
+may span several; per-layer shapes come from ``ModelConfig.layer_*`` and the arrays themselves.
 
 Shapes: B batch, T new tokens, S cache length, d hidden, H heads, K kv heads, D head dim.
 """
@@ -47,38 +50,89 @@ class LoraInputs(NamedTuple):
 # --------------------------------------------------------------------------- parameters
 
 
-def param_shapes(cfg: ModelConfig) -> Params:
-    """Nested dict of parameter shapes, layers stacked on a leading axis (one segment)."""
-    d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+def layer_shapes(cfg: ModelConfig, i: int) -> Params:
+    """Parameter shapes of layer ``i`` alone (no leading layer axis)."""
+    d, f = cfg.hidden_size, cfg.layer_intermediate_size(i)
+    D = cfg.layer_head_dim(i)
+    qd, kvd = cfg.num_heads * D, cfg.layer_kv_heads(i) * D
+    reuse = cfg.kv_sharing_modes[i] == "reuse"
 
     def lin(din, dout, bias):
-        p = {"kernel": (L, din, dout)}
+        p = {"kernel": (din, dout)}
         if bias:
-            p["bias"] = (L, dout)
+            p["bias"] = (dout,)
         return p
 
     layer = {
-        "attn_norm": (L, d),
-        "mlp_norm": (L, d),
+        "attn_norm": (d,),
+        "mlp_norm": (d,),
         "q": lin(d, qd, cfg.attention_bias),
-        "k": lin(d, kvd, cfg.attention_bias),
-        "v": lin(d, kvd, cfg.attention_bias),
         "o": lin(qd, d, cfg.attention_bias),
         "gate": lin(d, f, cfg.mlp_bias),
         "up": lin(d, f, cfg.mlp_bias),
         "down": lin(f, d, cfg.mlp_bias),
     }
+    if not reuse:  # KV-shared layers attend to another layer's keys and values
+        layer["k"] = lin(d, kvd, cfg.attention_bias)
+        if cfg.layer_has_v(i):
+            layer["v"] = lin(d, kvd, cfg.attention_bias)
     if cfg.qk_norm:
-        layer["q_norm"] = (L, cfg.head_dim)
-        layer["k_norm"] = (L, cfg.head_dim)
+        layer["q_norm"] = (D,)
+        if not reuse:
+            layer["k_norm"] = (D,)
     if cfg.post_norms:
-        layer["post_attn_norm"] = (L, d)
-        layer["post_mlp_norm"] = (L, d)
-    shapes = {"embed": (cfg.vocab_size, d), "layers": (layer,), "final_norm": (d,)}
+        layer["post_attn_norm"] = (d,)
+        layer["post_mlp_norm"] = (d,)
+    if cfg.per_layer_input_size:
+        p = cfg.per_layer_input_size
+        layer["ple_gate"] = lin(d, p, False)
+        layer["ple_out"] = lin(p, d, False)
+        layer["ple_post_norm"] = (d,)
+    if cfg.layer_scalar:
+        layer["layer_scalar"] = (1,)
+    return layer
+
+
+def segment_sizes(cfg: ModelConfig) -> list[int]:
+    """Lengths of the stacked segments of a freshly built param tree: maximal runs of
+    consecutive layers with identical shapes (one run for every family but Gemma 4)."""
+    sizes, prev = [], None
+    for i in range(cfg.num_layers):
+        key = (layer_shapes(cfg, i), cfg.layer_types[i] if cfg.kv_sharing_modes[i] == "reuse" else None)
+        if key == prev:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+        prev = key
+    return sizes
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """Nested dict of parameter shapes, layers stacked on a leading axis.
+
+    ``"layers"`` holds one stacked segment per run of identically shaped layers
+    (:func:`segment_sizes`): one segment for every family but Gemma 4, whose full-attention
+    layers differ in shape from its sliding ones.
+    """
+    d = cfg.hidden_size
+    segs, start = [], 0
+    for n in segment_sizes(cfg):
+        one = layer_shapes(cfg, start)
+        segs.append(jax.tree.map(lambda s, n=n: (n, *s), one, is_leaf=_is_shape))
+        start += n
+    shapes = {"embed": (cfg.vocab_size, d), "layers": tuple(segs), "final_norm": (d,)}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (d, cfg.vocab_size)
+    if cfg.per_layer_input_size:
+        width = cfg.num_layers * cfg.per_layer_input_size
+        shapes["ple_embed"] = (cfg.per_layer_vocab_size, width)
+        shapes["ple_proj"] = (d, width)
+        shapes["ple_norm"] = (cfg.per_layer_input_size,)
     return shapes
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
 
 _FLAT_INIT_MAX = 1 << 28  # elements; above this, one draw per leaf (no giant temporary, shards per leaf)
@@ -92,16 +146,19 @@ def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32) -> Params:
     Large ones draw per leaf, so no flat buffer of the whole model is ever materialised.
     """
     shapes = param_shapes(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
-    is_norm = ["norm" in jax.tree_util.keystr(path) for path, _ in flat]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)
+    names = [jax.tree_util.keystr(path) for path, _ in flat]
+    is_scalar = ["layer_scalar" in name for name in names]  # Gemma 4's per-layer output scale: 1
+    is_norm = ["norm" in name or sc for name, sc in zip(names, is_scalar)]
     total = sum(math.prod(shape) for (_, shape), norm in zip(flat, is_norm) if not norm)
     one_draw = total <= _FLAT_INIT_MAX
     noise = 0.02 * jax.random.normal(key, (total,), jnp.float32) if one_draw else None
     keys = None if one_draw else jax.random.split(key, len(flat))
     out, offset = [], 0
     for i, ((_, shape), norm) in enumerate(zip(flat, is_norm)):
-        if norm:
+        if is_scalar[i]:
+            out.append(jnp.ones(shape, dtype))
+        elif norm:
             out.append(jnp.full(shape, 1.0 - cfg.norm_offset, dtype))
         elif one_draw:
             n = math.prod(shape)
@@ -115,6 +172,9 @@ def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32) -> Params:
 def split_segments(params: Params, n_adapt: int) -> Params:
     """Regroup layers so that the last ``n_adapt`` form their own (final) segment.
 
+    Layers of different shapes (Gemma 4) cannot share a stacked segment: there every maximal
+    run of identically shaped layers is a segment, and a run crossing the cut is split there, so
+    the last ``n_adapt`` layers span the final segment(s).
     Works on host (numpy) or device arrays; idempotent when the split already holds.
     """
     layers = params["layers"]
@@ -124,6 +184,9 @@ def split_segments(params: Params, n_adapt: int) -> Params:
     total = sum(sizes)
     if not 0 <= n_adapt <= total:
         raise ValueError(f"n_adapt must be in [0, {total}], got {n_adapt}")
+    blocks = _layer_blocks(layers)
+    if len({sig for sig, _ in blocks}) > 1:
+        return {**params, "layers": _split_heterogeneous(blocks, total - n_adapt)}
     if n_adapt in (0, total):
         want = [total]
     else:
@@ -135,6 +198,49 @@ def split_segments(params: Params, n_adapt: int) -> Params:
     segs = (merged,) if len(want) == 1 else (
         jax.tree.map(lambda a: a[:cut], merged), jax.tree.map(lambda a: a[cut:], merged))
     return {**params, "layers": segs}
+
+
+def _signature(tree, stacked: bool):
+    """Tree structure and per-layer leaf shapes (without the layer axis when stacked)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple(tuple(x.shape[1:] if stacked else x.shape) for x in leaves)
+
+
+def _layer_blocks(segs) -> list[tuple[Any, Any]]:
+    """[(signature, stacked segment or per-layer dict)] in layer order (unrolled layers one by one)."""
+    blocks = []
+    for seg in segs:
+        if isinstance(seg, (tuple, list)):
+            blocks.extend((_signature(lp, False), lp) for lp in seg)
+        else:
+            blocks.append((_signature(seg, True), seg))
+    return blocks
+
+
+def _split_heterogeneous(blocks, cut: int) -> tuple:
+    """Stacked segments: runs of equal signature, split at layer ``cut``."""
+    runs: list[tuple[Any, list]] = []
+    for sig, b in blocks:
+        stacked = jax.tree.map(lambda a: a[None], b) if _is_layer(b) else b
+        if runs and runs[-1][0] == sig:
+            runs[-1][1].append(stacked)
+        else:
+            runs.append((sig, [stacked]))
+    out, start = [], 0
+    for _, parts in runs:
+        seg = parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: _cat(xs), *parts)
+        n = _segment_len(seg)
+        if start < cut < start + n:
+            out += [jax.tree.map(lambda a: a[:cut - start], seg), jax.tree.map(lambda a: a[cut - start:], seg)]
+        else:
+            out.append(seg)
+        start += n
+    return tuple(out)
+
+
+def _is_layer(b) -> bool:
+    """A per-layer dict (from an unrolled segment) rather than a stacked segment."""
+    return np.ndim(b["attn_norm"]) == 1
 
 
 def unstack_segments(params: Params) -> Params:
@@ -210,7 +316,7 @@ def _linear(x, p, target, lora, layer_lora):
     if "bias" in p:
         y = y + p["bias"]
     if layer_lora is not None and target in layer_lora[0]:
-        a, b = layer_lora[0][target], layer_lora[1][target]
+        a, b = _fit_lora(layer_lora[0][target], layer_lora[1][target], p["kernel"].shape, target)
         scale = lora.scale.astype(x.dtype)[:, None, :, None]
         if a.ndim == 4:  # gathered per row: [B, K, d_in, r], [B, K, r, d_out]
             xa = jnp.einsum("btd,bkdr->btkr", x, a.astype(x.dtype)) * scale
@@ -221,43 +327,87 @@ def _linear(x, p, target, lora, layer_lora):
     return y
 
 
+def _fit_lora(a, b, kernel_shape, target):
+    """LoRA factors sized for the widest layer (``ModelConfig.target_dims``) cut to this layer's
+    projection: a narrower layer (Gemma 4 sliding next to full attention) uses the leading
+    input rows of A and output columns of B. Factors that are too small are an error."""
+    d_in, d_out = kernel_shape
+    if a.shape[-2] == d_in and b.shape[-1] == d_out:
+        return a, b
+    if a.shape[-2] < d_in or b.shape[-1] < d_out:
+        raise ValueError(f"LoRA factors for {target!r} are {a.shape[-2]} -> {b.shape[-1]} but a layer's projection "
+                         f"is {d_in} -> {d_out}; size expert banks with ModelConfig.target_dims")
+    return a[..., :d_in, :], b[..., :d_out]
+
+
+def rms_norm_unscaled(x: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm without a scale (Gemma 4's value norm), float32 statistics."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 # --------------------------------------------------------------------------- forward
 
 
 class AttnInputs(NamedTuple):
-    cos_full: jax.Array
+    cos_full: jax.Array  # [B, T, D_full]
     sin_full: jax.Array
-    cos_slide: jax.Array
+    cos_slide: jax.Array  # [B, T, D_sliding]
     sin_slide: jax.Array
     mask_full: jax.Array  # bool [B, T, S]
     mask_slide: jax.Array  # bool [B, T, S]
     write_index: jax.Array | None  # int32 [] when a cache is used
 
 
-def _block(cfg: ModelConfig, lp, x, sliding, attn: AttnInputs, cache_kv, lora, layer_lora):
-    """One decoder block. Returns (x, (k_cache, v_cache) or None)."""
+def _rotary(attn: AttnInputs, sliding, D: int):
+    """(cos, sin) for a layer of head dim D. Where full and sliding tables differ in width (Gemma
+    4) the width says which one; otherwise ``sliding`` (possibly traced, under scan) selects."""
+    if attn.cos_full.shape[-1] == attn.cos_slide.shape[-1]:
+        return jnp.where(sliding, attn.cos_slide, attn.cos_full), jnp.where(sliding, attn.sin_slide, attn.sin_full)
+    if D == attn.cos_full.shape[-1]:
+        return attn.cos_full, attn.sin_full
+    return attn.cos_slide, attn.sin_slide
+
+
+def _block(cfg: ModelConfig, lp, x, sliding, attn: AttnInputs, cache_kv, lora, layer_lora, ple=None, shared=None):
+    """One decoder block.
+
+    ``ple``: [B, T, p] this layer's per-layer input (Gemma 4), or None. ``shared``: (k, v) of the
+    layer whose keys/values a KV-shared layer (no k weights) attends to.
+    Returns (x, (k_cache, v_cache) or None, (k, v) attended to).
+    """
     B, T, _ = x.shape
-    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    H = cfg.num_heads
+    D = lp["q"]["kernel"].shape[-1] // H
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
 
     h = rms_norm(x, lp["attn_norm"], eps, off)
     q = _linear(h, lp["q"], "q", lora, layer_lora).reshape(B, T, H, D)
-    k = _linear(h, lp["k"], "k", lora, layer_lora).reshape(B, T, K, D)
-    v = _linear(h, lp["v"], "v", lora, layer_lora).reshape(B, T, K, D)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], eps, off)
-        k = rms_norm(k, lp["k_norm"], eps, off)
-    cos = jnp.where(sliding, attn.cos_slide, attn.cos_full)
-    sin = jnp.where(sliding, attn.sin_slide, attn.sin_full)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
+    cos, sin = _rotary(attn, sliding, D)
     new_cache = None
-    if cache_kv is not None:
-        ck, cv = cache_kv
-        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, attn.write_index, 0, 0))
-        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, attn.write_index, 0, 0))
-        new_cache = (ck, cv)
-        k, v = ck.astype(x.dtype), cv.astype(x.dtype)
+    if "k" in lp:
+        K = lp["k"]["kernel"].shape[-1] // D
+        k = _linear(h, lp["k"], "k", lora, layer_lora).reshape(B, T, K, D)
+        # Gemma 4 full-attention layers without v weights use the k projection as values
+        v = _linear(h, lp["v"], "v", lora, layer_lora).reshape(B, T, K, D) if "v" in lp else k
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], eps, off)
+            k = rms_norm(k, lp["k_norm"], eps, off)
+        if cfg.v_norm:
+            v = rms_norm_unscaled(v, eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache_kv is not None:
+            ck, cv = cache_kv
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, attn.write_index, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, attn.write_index, 0, 0))
+            new_cache = (ck, cv)
+            k, v = ck.astype(x.dtype), cv.astype(x.dtype)
+    else:  # KV-shared layer
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], eps, off)
+        q = apply_rope(q, cos, sin)
+        k, v = (t.astype(x.dtype) for t in shared)
+        K = k.shape[2]
 
     mask = jnp.where(sliding, attn.mask_slide, attn.mask_full)  # [B, T, S]
     qg = q.reshape(B, T, K, H // K, D)
@@ -279,48 +429,95 @@ def _block(cfg: ModelConfig, lp, x, sliding, attn: AttnInputs, cache_kv, lora, l
     out = _linear(act(gate) * up, lp["down"], "down", lora, layer_lora)
     if cfg.post_norms:
         out = rms_norm(out, lp["post_mlp_norm"], eps, off)
-    return x + out, new_cache
+    x = x + out
+    if ple is not None:  # Gemma 4 per-layer input: a gated residual branch after the MLP
+        g = act(_linear(x, lp["ple_gate"], "ple_gate", None, None)) * ple
+        x = x + rms_norm(_linear(g, lp["ple_out"], "ple_out", None, None), lp["ple_post_norm"], eps, off)
+    if "layer_scalar" in lp:
+        x = x * lp["layer_scalar"].astype(x.dtype)
+    return x, new_cache, (k, v)
 
 
-def _run_segment(cfg, seg, flags, x, attn, seg_cache, lora):
-    """Run one segment; ``lora`` applies to every layer of it when given."""
+def _run_segment(cfg, seg, layer_ids, x, attn, seg_cache, lora, ple=None, shared=None, want_kv=False,
+                 kv_store=None):
+    """Run one segment. ``lora``: LoraInputs for every layer of a stacked segment; for an unrolled
+    one, per layer (a, b, LoraInputs) or None (see ``_segment_lora``).
+
+    layer_ids: the segment's (global) layer indices. KV sharing (Gemma 4): a stacked segment of
+    KV-shared layers attends to ``shared`` (k, v); with ``want_kv`` it also returns every layer's
+    attended (k, v) [n, ...]. An unrolled segment reads and records producers' (k, v) in
+    ``kv_store`` (by layer index) as it goes. ple: [n, B, T, p] per-layer inputs (a list when
+    unrolled) or None.
+    Returns (x, new segment cache or None, per-layer (k, v) or None).
+    """
+    flags = cfg.sliding_flags[list(layer_ids)]
     if isinstance(seg, (tuple, list)):  # unrolled
+        modes = cfg.kv_sharing_modes
         new_caches = []
         for i, lp in enumerate(seg):
-            layer_lora = None
-            if lora is not None:
-                layer_lora = ({t: a[i] for t, a in lora.a.items()}, {t: b[i] for t, b in lora.b.items()})
-            kv = None if seg_cache is None else (seg_cache[i]["k"], seg_cache[i]["v"])
-            x, nc = _block(cfg, lp, x, bool(flags[i]), attn, kv, lora, layer_lora)
+            entry = None if lora is None else lora[i]
+            lora_i, layer_lora = (None, None) if entry is None else (entry[2], entry[:2])
+            kv = None if seg_cache is None or seg_cache[i] is None else (seg_cache[i]["k"], seg_cache[i]["v"])
+            gid = layer_ids[i]
+            shared_i = kv_store[cfg.kv_producer(gid)] if modes[gid] == "reuse" else None
+            x, nc, used = _block(cfg, lp, x, bool(flags[i]), attn, kv, lora_i, layer_lora,
+                                 None if ple is None else ple[i], shared_i)
+            if modes[gid] == "store":
+                kv_store[gid] = used
             new_caches.append(None if nc is None else {"k": nc[0], "v": nc[1]})
-        return x, (None if seg_cache is None else tuple(new_caches))
+        return x, (None if seg_cache is None else tuple(new_caches)), None
 
     def body(x, xs):
-        lp, sliding, kv, layer_lora = xs
-        x, nc = _block(cfg, lp, x, sliding, attn, kv, lora, layer_lora)
-        return x, nc
+        lp, sliding, kv, layer_lora, ple_i = xs
+        x, nc, used = _block(cfg, lp, x, sliding, attn, kv, lora, layer_lora, ple_i, shared)
+        return x, (nc, used if want_kv else None)
 
     kv = None if seg_cache is None else (seg_cache["k"], seg_cache["v"])
     layer_lora = None if lora is None else (lora.a, lora.b)
-    x, nc = jax.lax.scan(body, x, (seg, jnp.asarray(flags), kv, layer_lora))
-    return x, (None if nc is None else {"k": nc[0], "v": nc[1]})
+    x, (nc, used) = jax.lax.scan(body, x, (seg, jnp.asarray(flags), kv, layer_lora, ple))
+    return x, (None if nc is None else {"k": nc[0], "v": nc[1]}), used
 
 
 def init_cache(cfg: ModelConfig, params: Params, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """An empty KV cache whose per-segment layout mirrors ``params["layers"]``.
 
     Returns {"layers": per segment {"k","v": [L_s, B, S, K, D]} (or a tuple of per-layer dicts
-    for unrolled segments), "valid": bool[B, S], "index": int32[] next write slot}.
+    for unrolled segments), "valid": bool[B, S], "index": int32[] next write slot}. K and D are
+    the segment's own (Gemma 4 full-attention layers differ); KV-shared layers hold no cache
+    (None: they read another layer's).
     """
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    def kv_shape(lp):  # per-layer [B, S, K, D], or None for a KV-shared layer
+        if "k" not in lp:
+            return None
+        D = lp["q"]["kernel"].shape[-1] // cfg.num_heads
+        return (batch, max_len, lp["k"]["kernel"].shape[-1] // D, D)
+
     segs = []
     for seg in params["layers"]:
         n = _segment_len(seg)
         if isinstance(seg, (tuple, list)):
-            segs.append(tuple({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(n)))
+            shapes = [kv_shape(lp) for lp in seg]
+            segs.append(tuple(None if sh is None else {"k": jnp.zeros(sh, dtype), "v": jnp.zeros(sh, dtype)}
+                              for sh in shapes))
         else:
-            segs.append({"k": jnp.zeros((n, *shape), dtype), "v": jnp.zeros((n, *shape), dtype)})
+            shape = kv_shape(seg)
+            segs.append(None if shape is None else
+                        {"k": jnp.zeros((n, *shape), dtype), "v": jnp.zeros((n, *shape), dtype)})
     return {"layers": tuple(segs), "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
+
+
+def per_layer_inputs(params: Params, cfg: ModelConfig, tokens: jax.Array, x: jax.Array) -> jax.Array:
+    """Gemma 4 per-layer embeddings: [B, T, L, p] from token ids and the scaled input embeddings x.
+
+    A token-identity part (a second embedding table, scaled by sqrt(p)) plus a context part (a
+    projection of x scaled by 1/sqrt(d), RMS-normalised per layer), averaged with 1/sqrt(2).
+    """
+    B, T = tokens.shape
+    L, p, dtype = cfg.num_layers, cfg.per_layer_input_size, x.dtype
+    ids = jnp.take(params["ple_embed"], tokens, axis=0).reshape(B, T, L, p) * jnp.asarray(p ** 0.5, dtype)
+    proj = jnp.einsum("btd,df->btf", x, params["ple_proj"]) * jnp.asarray(cfg.hidden_size ** -0.5, dtype)
+    proj = rms_norm(proj.reshape(B, T, L, p), params["ple_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    return (proj + ids) * jnp.asarray(2 ** -0.5, dtype)
 
 
 def forward(
@@ -343,7 +540,8 @@ def forward(
       valid: bool[B, T], False at padding. Padding keys are never attended to.
       cache: from :func:`init_cache` (or a previous call). Tokens are written at
         ``cache["index"]``; queries attend to every valid cached key at or before them.
-      lora: per-row LoRA deltas for the last segment (:class:`LoraInputs`).
+      lora: per-row LoRA deltas for the last ``L_adapt`` layers (:class:`LoraInputs`). A stacked
+        segment must lie entirely inside or outside them (:func:`split_segments`).
       logits_mode: "all" -> [B, T, V]; "last" -> [B, V] at the last position; "hidden" -> final
         normed hidden states [B, T, d] (no LM head).
 
@@ -364,6 +562,9 @@ def forward(
     x = jnp.take(params["embed"], tokens, axis=0)
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
+    ple = None
+    if cfg.per_layer_input_size:
+        ple = jnp.moveaxis(per_layer_inputs(params, cfg, tokens, x), 2, 0)  # [L, B, T, p]
 
     q_idx = jnp.arange(T)
     if cache is None:
@@ -380,23 +581,35 @@ def forward(
         mask_slide = mask_full & in_window[None]
     else:
         mask_slide = mask_full
-    cos_f, sin_f = rope_tables(positions, cfg.rope_full.inv_freq(cfg.head_dim), cfg.rope_full.attention_scaling, dtype)
+    cos_f, sin_f = rope_tables(positions, cfg.rope_full.inv_freq(cfg.full_head_dim), cfg.rope_full.attention_scaling,
+                               dtype)
     rs = cfg.rope_sliding or cfg.rope_full
     cos_s, sin_s = rope_tables(positions, rs.inv_freq(cfg.head_dim), rs.attention_scaling, dtype)
     attn = AttnInputs(cos_f, sin_f, cos_s, sin_s, mask_full, mask_slide, write_index)
 
-    flags, offset = cfg.sliding_flags, 0
+    offset, modes = 0, cfg.kv_sharing_modes
+    stored: dict[int, tuple] = {}  # producer layer -> its attended (k, v), for KV-shared layers
+    n_lora = 0 if lora is None else next(iter(lora.a.values())).shape[0]
+    if n_lora > cfg.num_layers:
+        raise ValueError(f"LoRA covers {n_lora} layers but the model has {cfg.num_layers}")
+    first_lora = cfg.num_layers - n_lora
     segs, new_segs = params["layers"], []
     for si, seg in enumerate(segs):
         n = _segment_len(seg)
-        seg_lora = lora if (lora is not None and si == len(segs) - 1) else None
-        if seg_lora is not None:
-            n_lora = next(iter(seg_lora.a.values())).shape[0]
-            if n_lora != n:
-                raise ValueError(
-                    f"LoRA covers {n_lora} layers but the last segment has {n}; call split_segments(params, {n_lora})")
+        idx = range(offset, offset + n)
+        unrolled = isinstance(seg, (tuple, list))
+        seg_lora = _segment_lora(lora, offset, n, first_lora, n_lora, unrolled)
         seg_cache = None if cache is None else cache["layers"][si]
-        x, nc = _run_segment(cfg, seg, flags[offset:offset + n], x, attn, seg_cache, seg_lora)
+        seg_ple = None if ple is None else (ple[offset:offset + n] if not unrolled else [ple[i] for i in idx])
+        if unrolled:
+            x, nc, _ = _run_segment(cfg, seg, idx, x, attn, seg_cache, seg_lora, seg_ple, kv_store=stored)
+        else:
+            shared = stored[_shared_producer(cfg, idx)] if any(modes[i] == "reuse" for i in idx) else None
+            want_kv = cache is None and any(modes[i] == "store" for i in idx)
+            x, nc, used = _run_segment(cfg, seg, idx, x, attn, seg_cache, seg_lora, seg_ple, shared, want_kv)
+            for j, i in enumerate(idx):
+                if modes[i] == "store":  # with a cache: the producer's whole updated cache
+                    stored[i] = (nc["k"][j], nc["v"][j]) if cache is not None else (used[0][j], used[1][j])
         new_segs.append(nc)
         offset += n
 
@@ -416,3 +629,38 @@ def forward(
     if cfg.final_logit_softcap:
         logits = jnp.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
     return logits, new_cache
+
+
+def _segment_lora(lora, offset, n, first_lora, n_lora, unrolled):
+    """The part of ``lora`` (covering layers first_lora..L-1) that applies to layers offset..offset+n-1.
+
+    Stacked segments get LoraInputs over their layers (or None); unrolled ones a list of per-layer
+    (a, b, LoraInputs) entries (None outside the adapted layers).
+    """
+    if lora is None or offset + n <= first_lora:
+        return None
+    if unrolled:
+        out = []
+        for i in range(offset, offset + n):
+            j = i - first_lora
+            out.append(None if j < 0 else ({t: a[j] for t, a in lora.a.items()}, {t: b[j] for t, b in lora.b.items()},
+                                           lora))
+        return out
+    if offset < first_lora:
+        raise ValueError(f"LoRA covers the last {n_lora} layers but a stacked segment spans layers {offset}.."
+                         f"{offset + n - 1} across that boundary; call split_segments(params, {n_lora})")
+    if (offset, n) == (first_lora, n_lora):
+        return lora
+    j = offset - first_lora
+    return LoraInputs(a={t: a[j:j + n] for t, a in lora.a.items()}, b={t: b[j:j + n] for t, b in lora.b.items()},
+                      scale=lora.scale)
+
+
+def _shared_producer(cfg, idx):
+    """The (producer) layer whose keys/values the KV-shared layers ``idx`` of a stacked segment
+    attend to: one for the whole segment (they run under one scan)."""
+    producers = {cfg.kv_producer(i) for i in idx}
+    if len(producers) != 1:
+        raise ValueError(f"stacked layers {idx[0]}..{idx[-1]} reuse the keys/values of different layers "
+                         f"{sorted(producers)}; run them unrolled (unstack_segments)")
+    return producers.pop()

@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from morse_jax.models.config import ModelConfig
-from morse_jax.models.transformer import NEG_INF, LoraInputs, apply_rope, rms_norm, rope_tables
+from morse_jax.models.transformer import (NEG_INF, LoraInputs, apply_rope, per_layer_inputs, rms_norm, rms_norm_unscaled,
+                                          rope_tables)
 
 FUSED = {"qkv": ("q", "k", "v"), "gu": ("gate", "up")}
+LINEAR = ("q", "k", "v", "o", "gate", "up", "down")
 GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gu": ("gate", "up"), "down": ("down",)}  # targets by input
 
 
@@ -52,15 +54,22 @@ def _layers(params) -> list[dict]:
 def _fuse(params: dict, cfg: ModelConfig) -> dict:
     layers = []
     for lp in _layers(params):
-        new = {k: v for k, v in lp.items() if k not in ("q", "k", "v", "o", "gate", "up", "down")}
+        new = {k: v for k, v in lp.items() if k not in (*LINEAR, "ple_gate", "ple_out")}
         for name, parts in (*FUSED.items(), ("o", ("o",)), ("down", ("down",))):
+            parts = [p for p in parts if p in lp]  # Gemma 4: no v (k = v) or no k, v (KV-shared) in some layers
             new[name] = {"w": jnp.concatenate([lp[p]["kernel"].T for p in parts], axis=0)}
             if "bias" in lp[parts[0]]:
                 new[name]["bias"] = jnp.concatenate([lp[p]["bias"] for p in parts], axis=-1)
+        for name in ("ple_gate", "ple_out"):
+            if name in lp:
+                new[name] = {"w": lp[name]["kernel"].T}
         layers.append(new)
     out = {"final_norm": params["final_norm"], "layers": tuple(layers)}
     if not cfg.tie_embeddings:
         out["head"] = params["lm_head"].T
+    for name in ("ple_embed", "ple_proj", "ple_norm"):
+        if name in params:
+            out[name] = params[name]
     return out
 
 
@@ -71,6 +80,9 @@ def decode_params(params: dict, cfg: ModelConfig) -> dict:
     tied, else lm_head transposed), "final_norm": [d], "layers": tuple over layers of
     {"qkv": {"w": [H*D + 2*K*D, d], "bias"?}, "o": {"w": [d, H*D]}, "gu": {"w": [2f, d]},
     "down": {"w": [d, f]}, norms}}. The regrouping is one jitted program.
+    Gemma 4 layers have their own H*D / K*D (qkv holds only q, k where v = k, only q in KV-shared
+    layers), plus {"ple_gate", "ple_out": {"w"}}, "layer_scalar"; and per-layer-input tables
+    "ple_embed", "ple_proj", "ple_norm" at the top.
     """
     out = dict(_fuse(params, cfg))
     out["embed"] = params["embed"]
@@ -80,15 +92,18 @@ def decode_params(params: dict, cfg: ModelConfig) -> dict:
 
 def init_decode_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """{"k": tuple over layers of [B*K, D, S] (keys transposed), "v": tuple of [B*K, S, D],
-    "valid": bool[B, S], "index": int32[] next slot}.
+    "valid": bool[B, S], "index": int32[] next slot}. K, D per layer (Gemma 4); None for a
+    KV-shared layer.
 
     Batch and kv heads share one axis: at batch 1 a separate, degenerate batch axis made XLA
     copy every layer's cache on every decode step (its in-place update did not survive the
     simplifier dropping the axis).
     """
-    BK, S, D = batch * cfg.num_kv_heads, max_len, cfg.head_dim
-    return {"k": tuple(jnp.zeros((BK, D, S), dtype) for _ in range(cfg.num_layers)),
-            "v": tuple(jnp.zeros((BK, S, D), dtype) for _ in range(cfg.num_layers)),
+    S, modes = max_len, cfg.kv_sharing_modes
+    dims = [None if modes[i] == "reuse" else (batch * cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
+            for i in range(cfg.num_layers)]  # KV-shared layers (Gemma 4) read another layer's cache
+    return {"k": tuple(None if x is None else jnp.zeros((x[0], x[1], S), dtype) for x in dims),
+            "v": tuple(None if x is None else jnp.zeros((x[0], S, x[1]), dtype) for x in dims),
             "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
 
 
@@ -142,40 +157,58 @@ def prepare_lora(lora: LoraInputs) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def _split_lora(xa, layer, group, contract):
-    """Apply each target's B to its slice of ``xa``; ``contract(piece, B)`` does the product."""
+def _split_lora(xa, layer, group, contract, sizes=None):
+    """Apply each target's B to its slice of ``xa``; ``contract(piece, B)`` does the product.
+
+    ``sizes`` ({target: d_out}, None: as stored) cuts B to a narrower layer's outputs and skips
+    targets the layer does not have (``transformer._fit_lora`` explains the widths)."""
     deltas, start = {}, 0
     for t in GROUPS[group]:
         if t in layer["B"]:
             Bt = layer["B"][t]
             n = Bt.shape[-1]
-            deltas[t] = contract(xa, start, n, Bt.astype(xa.dtype))
+            if sizes is None or t in sizes:
+                if sizes is not None and Bt.shape[-2] != sizes[t]:
+                    Bt = _cut(Bt, sizes[t], -2, t)
+                deltas[t] = contract(xa, start, n, Bt.astype(xa.dtype))
             start += n
     return deltas
 
 
-def _lora_rows(x, layer, group) -> dict:
+def _cut(w, size, axis, target):
+    if w.shape[axis] < size:
+        raise ValueError(f"LoRA factors for {target!r} are narrower ({w.shape[axis]}) than a layer's projection "
+                         f"({size}); size expert banks with ModelConfig.target_dims")
+    return jax.lax.slice_in_dim(w, 0, size, axis=axis % w.ndim)
+
+
+def _fit_a(A, d_in, group):
+    return A if A.shape[-1] == d_in else _cut(A, d_in, -1, group)
+
+
+def _lora_rows(x, layer, group, sizes=None) -> dict:
     """Row-major activations x [B, T, d_in] -> {target: [B, T, d_out]}."""
     if layer is None or group not in layer["A"]:
         return {}
-    A = layer["A"][group].astype(x.dtype)
+    A = _fit_a(layer["A"][group], x.shape[-1], group).astype(x.dtype)
     if A.ndim == 2:
         xa = jnp.einsum("btd,nd->btn", x, A) * layer["s"][group][:, None, :].astype(x.dtype)
-        return _split_lora(xa, layer, group, lambda v, s, n, Bt: jnp.einsum("btn,on->bto", v[..., s:s + n], Bt))
+        return _split_lora(xa, layer, group, lambda v, s, n, Bt: jnp.einsum("btn,on->bto", v[..., s:s + n], Bt),
+                           sizes)
     xa = jnp.einsum("btd,bnd->btn", x, A)
-    return _split_lora(xa, layer, group, lambda v, s, n, Bt: jnp.einsum("btn,bon->bto", v[..., s:s + n], Bt))
+    return _split_lora(xa, layer, group, lambda v, s, n, Bt: jnp.einsum("btn,bon->bto", v[..., s:s + n], Bt), sizes)
 
 
-def _lora_cols(xT, layer, group) -> dict:
+def _lora_cols(xT, layer, group, sizes=None) -> dict:
     """Transposed activations xT [d_in, B] -> {target: [d_out, B]}."""
     if layer is None or group not in layer["A"]:
         return {}
-    A = layer["A"][group].astype(xT.dtype)
+    A = _fit_a(layer["A"][group], xT.shape[0], group).astype(xT.dtype)
     if A.ndim == 2:
         xa = (A @ xT) * layer["s"][group].T.astype(xT.dtype)
-        return _split_lora(xa, layer, group, lambda v, s, n, Bt: Bt @ v[s:s + n])
+        return _split_lora(xa, layer, group, lambda v, s, n, Bt: Bt @ v[s:s + n], sizes)
     xa = jnp.einsum("db,bnd->nb", xT, A)
-    return _split_lora(xa, layer, group, lambda v, s, n, Bt: jnp.einsum("nb,bon->ob", v[s:s + n], Bt))
+    return _split_lora(xa, layer, group, lambda v, s, n, Bt: jnp.einsum("nb,bon->ob", v[s:s + n], Bt), sizes)
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -216,14 +249,16 @@ def _masks(cfg, key_valid, idx, T):
 
 def _rope(cfg, positions, dtype):
     D = cfg.head_dim
-    cos_f, sin_f = rope_tables(positions, cfg.rope_full.inv_freq(D), cfg.rope_full.attention_scaling, dtype)
+    cos_f, sin_f = rope_tables(positions, cfg.rope_full.inv_freq(cfg.full_head_dim), cfg.rope_full.attention_scaling,
+                               dtype)
     rs = cfg.rope_sliding or cfg.rope_full
     cos_s, sin_s = rope_tables(positions, rs.inv_freq(D), rs.attention_scaling, dtype)
     return (cos_f, sin_f), (cos_s, sin_s)
 
 
 def rope_tables_for(cfg: ModelConfig, max_len: int, dtype) -> tuple:
-    """((cos, sin) full, (cos, sin) sliding): [max_len, D] rotary tables for positions 0..max_len-1.
+    """((cos, sin) full, (cos, sin) sliding): [max_len, D] rotary tables for positions 0..max_len-1
+    (D of full-attention layers for the first: Gemma 4's are wider).
 
     Compute once per device call (outside the decode loop) and pass to :func:`decode_step`.
     """
@@ -273,15 +308,16 @@ def _logits(cfg, logits):
 
 
 def _proj_rows(x, lp, name, layer_lora, sizes=None):
-    """x [B, T, d_in] @ W^T (+ bias, + LoRA of its parts); fused outputs split by ``sizes``."""
+    """x [B, T, d_in] @ W^T (+ bias, + LoRA of its parts); fused outputs split by ``sizes``
+    ({part: d_out} in fused order: the parts the layer has)."""
     y = jnp.einsum("btd,fd->btf", x, lp[name]["w"])
     if "bias" in lp[name]:
         y = y + lp[name]["bias"]
-    deltas = _lora_rows(x, layer_lora, name)
+    deltas = _lora_rows(x, layer_lora, name, sizes)
     if sizes is None:
         return y + deltas[name] if name in deltas else y
     outs, start = [], 0
-    for part, size in zip(FUSED[name], sizes):
+    for part, size in sizes.items():
         piece = y[..., start:start + size]
         outs.append(piece + deltas[part] if part in deltas else piece)
         start += size
@@ -304,47 +340,76 @@ def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arr
       (float32 logits, new cache).
     """
     B, T = tokens.shape
-    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     dtype = dp["embed"].dtype
     x = jnp.take(dp["embed"], tokens, axis=0)
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
+    ple = per_layer_inputs(dp, cfg, tokens, x) if cfg.per_layer_input_size else None  # [B, T, L, p]
     idx = cache["index"]
     key_valid = jax.lax.dynamic_update_slice(cache["valid"], valid, (0, idx))
     mask_full, mask_slide = _masks(cfg, key_valid, idx, T)
     rope_full, rope_slide = _rope_rows(cfg, rope, positions, cache["valid"].shape[1], dtype)
     first_adapted = cfg.num_layers - (len(lora) if lora is not None else 0)
+    act = _activation(cfg.activation)
     new_k, new_v = [], []
     for i, lp in enumerate(dp["layers"]):
         sliding = bool(cfg.sliding_flags[i])
+        H, K, D, sizes, producer = _layer_dims(cfg, i)
         layer_lora = lora[i - first_adapted] if lora is not None and i >= first_adapted else None
         h = rms_norm(x, lp["attn_norm"], eps, off)
-        q, k, v = _proj_rows(h, lp, "qkv", layer_lora, (H * D, K * D, K * D))
-        q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
+        qkv = _proj_rows(h, lp, "qkv", layer_lora, sizes)
+        q = qkv[0].reshape(B, T, H, D)
         if cfg.qk_norm:
-            q, k = rms_norm(q, lp["q_norm"], eps, off), rms_norm(k, lp["k_norm"], eps, off)
+            q = rms_norm(q, lp["q_norm"], eps, off)
         cos, sin = rope_slide if sliding else rope_full
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ck, cv = _write_cache(cache, i, k, v, idx)
-        new_k.append(ck)
-        new_v.append(cv)
+        q = apply_rope(q, cos, sin)
+        if producer is None:
+            k = qkv[1].reshape(B, T, K, D)
+            v = qkv[2].reshape(B, T, K, D) if len(qkv) == 3 else k  # Gemma 4 k = v layers
+            if cfg.qk_norm:
+                k = rms_norm(k, lp["k_norm"], eps, off)
+            if cfg.v_norm:
+                v = rms_norm_unscaled(v, eps)
+            k = apply_rope(k, cos, sin)
+            ck, cv = _write_cache(cache, i, k, v, idx)
+        else:  # KV-shared layer: the producer's cache, already written this call
+            ck, cv = new_k[producer], new_v[producer]
+        new_k.append(None if producer is not None else ck)
+        new_v.append(None if producer is not None else cv)
         out = _attend(q, ck.astype(dtype), cv.astype(dtype), mask_slide if sliding else mask_full, cfg)
         out = _proj_rows(out, lp, "o", layer_lora)
         if cfg.post_norms:
             out = rms_norm(out, lp["post_attn_norm"], eps, off)
         x = x + out
         h = rms_norm(x, lp["mlp_norm"], eps, off)
-        gate, up = _proj_rows(h, lp, "gu", layer_lora, (cfg.intermediate_size,) * 2)
-        out = _proj_rows(_activation(cfg.activation)(gate) * up, lp, "down", layer_lora)
+        f = cfg.layer_intermediate_size(i)
+        gate, up = _proj_rows(h, lp, "gu", layer_lora, {"gate": f, "up": f})
+        out = _proj_rows(act(gate) * up, lp, "down", layer_lora)
         if cfg.post_norms:
             out = rms_norm(out, lp["post_mlp_norm"], eps, off)
         x = x + out
+        if ple is not None:
+            g = act(jnp.einsum("btd,pd->btp", x, lp["ple_gate"]["w"])) * ple[:, :, i]
+            x = x + rms_norm(jnp.einsum("btp,dp->btd", g, lp["ple_out"]["w"]), lp["ple_post_norm"], eps, off)
+        if "layer_scalar" in lp:
+            x = x * lp["layer_scalar"].astype(x.dtype)
     if last_only:
         x = x[:, -1]
     x = rms_norm(x, dp["final_norm"], eps, off)
     logits = _logits(cfg, jnp.einsum("...d,vd->...v", x, dp["head"]))
     return logits, {"k": tuple(new_k), "v": tuple(new_v), "valid": key_valid, "index": idx + T}
+
+
+def _layer_dims(cfg: ModelConfig, i: int):
+    """(H, K, D, {part: d_out} of the fused qkv, producer layer of a KV-shared layer or None)."""
+    H, K, D = cfg.num_heads, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
+    if cfg.kv_sharing_modes[i] == "reuse":
+        return H, K, D, {"q": H * D}, cfg.kv_producer(i)
+    sizes = {"q": H * D, "k": K * D}
+    if cfg.layer_has_v(i):
+        sizes["v"] = K * D
+    return H, K, D, sizes, None
 
 
 # --------------------------------------------------------------------------- one token (decode)
@@ -362,11 +427,11 @@ def _proj_cols(xT, lp, name, layer_lora, sizes=None):
     y = lp[name]["w"] @ xT
     if "bias" in lp[name]:
         y = y + lp[name]["bias"][:, None]
-    deltas = _lora_cols(xT, layer_lora, name)
+    deltas = _lora_cols(xT, layer_lora, name, sizes)
     if sizes is None:
         return y + deltas[name] if name in deltas else y
     outs, start = [], 0
-    for part, size in zip(FUSED[name], sizes):
+    for part, size in sizes.items():
         piece = y[start:start + size]
         outs.append(piece + deltas[part] if part in deltas else piece)
         start += size
@@ -386,42 +451,61 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
       (float32 logits [B, V], new cache).
     """
     B = tokens.shape[0]
-    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     dtype = dp["embed"].dtype
-    xT = jnp.take(dp["embed"], tokens, axis=0).T  # [d, B]
+    x0 = jnp.take(dp["embed"], tokens, axis=0)  # [B, d]
     if cfg.embed_scale:
-        xT = xT * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
+        x0 = x0 * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
+    xT = x0.T
+    ple = per_layer_inputs(dp, cfg, tokens[:, None], x0[:, None])[:, 0] if cfg.per_layer_input_size else None
     idx = cache["index"]
     key_valid = jax.lax.dynamic_update_slice(cache["valid"], active[:, None], (0, idx))
     mask_full, mask_slide = _masks(cfg, key_valid, idx, 1)
     rope_full, rope_slide = _rope_rows(cfg, rope, positions[:, None], cache["valid"].shape[1], dtype)
     first_adapted = cfg.num_layers - (len(lora) if lora is not None else 0)
+    act = _activation(cfg.activation)
     new_k, new_v = [], []
     for i, lp in enumerate(dp["layers"]):
         sliding = bool(cfg.sliding_flags[i])
+        H, K, D, sizes, producer = _layer_dims(cfg, i)
         layer_lora = lora[i - first_adapted] if lora is not None and i >= first_adapted else None
         hT = _norm_cols(xT, lp["attn_norm"], eps, off)
-        qT, kT, vT = _proj_cols(hT, lp, "qkv", layer_lora, (H * D, K * D, K * D))
-        q, k, v = qT.T.reshape(B, 1, H, D), kT.T.reshape(B, 1, K, D), vT.T.reshape(B, 1, K, D)
+        qkvT = _proj_cols(hT, lp, "qkv", layer_lora, sizes)
+        q = qkvT[0].T.reshape(B, 1, H, D)
         if cfg.qk_norm:
-            q, k = rms_norm(q, lp["q_norm"], eps, off), rms_norm(k, lp["k_norm"], eps, off)
+            q = rms_norm(q, lp["q_norm"], eps, off)
         cos, sin = rope_slide if sliding else rope_full
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ck, cv = _write_cache(cache, i, k, v, idx)
-        new_k.append(ck)
-        new_v.append(cv)
+        q = apply_rope(q, cos, sin)
+        if producer is None:
+            k = qkvT[1].T.reshape(B, 1, K, D)
+            v = qkvT[2].T.reshape(B, 1, K, D) if len(qkvT) == 3 else k  # Gemma 4 k = v layers
+            if cfg.qk_norm:
+                k = rms_norm(k, lp["k_norm"], eps, off)
+            if cfg.v_norm:
+                v = rms_norm_unscaled(v, eps)
+            k = apply_rope(k, cos, sin)
+            ck, cv = _write_cache(cache, i, k, v, idx)
+        else:  # KV-shared layer: the producer's cache, already written this step
+            ck, cv = new_k[producer], new_v[producer]
+        new_k.append(None if producer is not None else ck)
+        new_v.append(None if producer is not None else cv)
         out = _attend(q, ck.astype(dtype), cv.astype(dtype), mask_slide if sliding else mask_full, cfg)
         outT = _proj_cols(out.reshape(B, H * D).T, lp, "o", layer_lora)
         if cfg.post_norms:
             outT = _norm_cols(outT, lp["post_attn_norm"], eps, off)
         xT = xT + outT
         hT = _norm_cols(xT, lp["mlp_norm"], eps, off)
-        gate, up = _proj_cols(hT, lp, "gu", layer_lora, (cfg.intermediate_size,) * 2)
-        outT = _proj_cols(_activation(cfg.activation)(gate) * up, lp, "down", layer_lora)
+        f = cfg.layer_intermediate_size(i)
+        gate, up = _proj_cols(hT, lp, "gu", layer_lora, {"gate": f, "up": f})
+        outT = _proj_cols(act(gate) * up, lp, "down", layer_lora)
         if cfg.post_norms:
             outT = _norm_cols(outT, lp["post_mlp_norm"], eps, off)
         xT = xT + outT
+        if ple is not None:
+            gT = act(lp["ple_gate"]["w"] @ xT) * ple[:, i].T
+            xT = xT + _norm_cols(lp["ple_out"]["w"] @ gT, lp["ple_post_norm"], eps, off)
+        if "layer_scalar" in lp:
+            xT = xT * lp["layer_scalar"].astype(xT.dtype)[:, None]
     hT = _norm_cols(xT, dp["final_norm"], eps, off)
     # The barrier keeps XLA from folding the transpose into the dot ("h @ E^T"), which it then ran
     # as a naive loop: 95 ms at batch 4 instead of ~6 ms.

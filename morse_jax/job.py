@@ -19,17 +19,19 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from morse_jax import parallel as par
 from morse_jax.checkpoint import Checkpointer
 from morse_jax.default_config import VARIANTS
 from morse_jax.models import load_backbone
 from morse_jax.models.chat import encode_chat, stop_token_ids
 from morse_jax.models.loading import embedded_model_path
+from morse_jax.models.transformer import split_segments
 from morse_jax.mole import router as rt
 from morse_jax.mole.experts import ExpertBankSpec
 from morse_jax.rl.batch import encode_descriptions, examples_from_groups
 from morse_jax.rl.train_step import Trainer, TrainConfig, init_trainable
 from morse_jax.sampling.generate import Sampler, SamplerConfig
-from morse_jax.tasks.base import Task
+from morse_jax.tasks.base import Task, VerifyResult
 from morse_jax.tomas.orchestrator import Orchestrator
 from morse_jax.tomas.rollout import OrchestratorConfig, RouteDraw, RunResult, SamplingSettings
 from morse_jax.metrics_log import MetricsWriter
@@ -73,23 +75,36 @@ class Job:
         self.orch_variant, self.advantage, self.trains = VARIANTS[cfg.variant]
         t0 = time.time()
         dtype = jnp.dtype(cfg.model.dtype)
-        self.backbone = load_backbone(resolve_model_path(cfg.model.path), dtype)
-        if self.backbone.tokenizer is None:
+        backbone = load_backbone(resolve_model_path(cfg.model.path), dtype)
+        if backbone.tokenizer is None:
             raise ValueError(f"config.model.path: {cfg.model.path} has no tokenizer; the job needs one")
         log.info("backbone loaded in %.1fs", time.time() - t0)
         self.spec = bank_spec(cfg)
         self.tcfg = train_config(cfg)
+        if self.spec is not None:  # split once here; sampler and trainer reuse it (no extra weight copies)
+            backbone = dataclasses.replace(backbone, params=split_segments(backbone.params, self.spec.n_adapt))
+        # One device: plain jit. Several (local or across processes): the configured mesh, backbone
+        # sharded by the logical-axis rules, experts/router/optimizer replicated (morse_jax.parallel).
+        self.mesh = par.make_mesh(tuple(cfg.parallel.mesh)) if jax.device_count() > 1 else None
+        if self.mesh is not None:
+            backbone = par.shard_backbone(self.mesh, backbone)
+            log.info("mesh %s", par.describe(self.mesh))
+        self.backbone = backbone
         self.key = jax.random.key(cfg.seed)
         self.key, k_init = jax.random.split(self.key)
         self.trainable = None
         if self.spec is not None:
-            self.trainable = init_trainable(k_init, self.backbone.config, self.spec, self.tcfg, dtype)
+            self.trainable = self._place(init_trainable(k_init, self.backbone.config, self.spec, self.tcfg, dtype))
         max_active = 1 + (self.spec.num_subtask if self.spec is not None else 0)
         self.sampler = Sampler(self.backbone, self.spec,
                                SamplerConfig(max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk,
-                                             max_active=max(max_active, 1)))
+                                             max_active=max(max_active, 1)), mesh=self.mesh)
+        self._trainer = None
         self.stop_ids = stop_token_ids(self.backbone.tokenizer, self.backbone.config.eos_token_ids)
-        self._route_jit = jax.jit(self._route_impl, static_argnames=("num_samples", "greedy"))
+        if self.mesh is None:
+            self._route_jit = jax.jit(self._route_impl, static_argnames=("num_samples", "greedy"))
+        else:
+            self._route_jit = par.replicated_jit(self.mesh, self._route_impl, static_argnames=("num_samples", "greedy"))
         self.family = None
         self.train_tasks: list[Task] = []
         self.eval_tasks: list[Task] = []
@@ -98,6 +113,43 @@ class Job:
 
             self.family = build_family(cfg, self.workdir)
             self.train_tasks, self.eval_tasks = load_task_splits(cfg, self.family)
+
+    def _place(self, tree):
+        return tree if self.mesh is None else par.replicate(self.mesh, tree)
+
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            self._trainer = Trainer(self.backbone.config, self.backbone.params, self.spec, self.tcfg, mesh=self.mesh)
+        return self._trainer
+
+    def memory_report(self) -> str:
+        """Per-device memory estimate of this run (backbone, experts, optimizer, KV cache, activations)."""
+        r = self.cfg.rollout
+        n = max(r.max_new_tokens, r.eval_max_new_tokens)
+        shape = tuple(self.mesh.devices.shape) if self.mesh is not None else (1, 1, 1)
+        limit = None
+        try:
+            limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+        except Exception:  # CPU backends have no memory stats
+            limit = None
+        plan = par.memory_plan(self.backbone.config, self.spec, "adamw", batch=self.cfg.train.micro_batch,
+                               cache_len=[p + n for p in (512, 1024, 2048)], seq_len=1024 + n, mesh_shape=shape,
+                               dtype=self.cfg.model.dtype, sample_batch=self.cfg.sampler.max_batch)
+        return plan.format(limit)
+
+    def verify_collective(self):
+        """Verification on process 0 only, results broadcast (None for a single process)."""
+        if jax.process_count() == 1:
+            return None
+
+        def encode(results):
+            return [None if v is None else [dataclasses.asdict(v[0]), bool(v[1])] for v in results]
+
+        def decode(data):
+            return [None if v is None else (VerifyResult(**v[0]), v[1]) for v in data]
+
+        return lambda thunk: par.run_on_coordinator(thunk, encode=encode, decode=decode)
 
     # ------------------------------------------------------------------ injected callables
 
@@ -155,7 +207,8 @@ class Job:
             max_replans=r.max_replans, planner_prefix=r.planner_prefix, seed=self.cfg.seed)
         families = {self.family.name: self.family} if self.family is not None else {}
         route_fn = self.route if variant in ("mole", "flat_mole") else None
-        return Orchestrator(families, self.spec, self.generate, route_fn, self.encode, ocfg)
+        return Orchestrator(families, self.spec, self.generate, route_fn, self.encode, ocfg,
+                            verify_collective=self.verify_collective())
 
     # ------------------------------------------------------------------ modes
 
@@ -178,10 +231,11 @@ class Job:
 
     def _restore(self, ckpt: Checkpointer, opt_state):
         """Latest valid checkpoint into ``self.trainable`` / ``self.key``; the Restored or None."""
-        restored = ckpt.restore_latest_valid({"trainable": self.trainable, "opt_state": opt_state, "key": self.key})
+        restored = ckpt.restore_latest_valid({"trainable": self.trainable, "opt_state": opt_state, "key": self._place(self.key)})
         if restored is not None:
-            self.trainable = restored.state["trainable"]
+            self.trainable = self._place(restored.state["trainable"])
             self.key = restored.state["key"]
+            restored.state["opt_state"] = self._place(restored.state["opt_state"])
         return restored
 
     def restore(self) -> str:
@@ -190,10 +244,9 @@ class Job:
             return "no trainable state (variant without adapters)"
         if self.cfg.fresh or not (self.workdir / "checkpoints").is_dir():
             return "untrained (no checkpoint in the work directory)"
-        trainer = Trainer(self.backbone.config, self.backbone.params, self.spec, self.tcfg)
         ckpt = self.checkpointer()
         try:
-            restored = self._restore(ckpt, trainer.init_opt_state(self.trainable))
+            restored = self._restore(ckpt, self._place(self.trainer.init_opt_state(self.trainable)))
         finally:
             ckpt.close()
         return "untrained (no valid checkpoint)" if restored is None else f"checkpoint step {int(restored.metadata['step'])}"
@@ -205,8 +258,8 @@ class Job:
             return {"steps": 0}
         if not self.train_tasks:
             raise ValueError("config.data.train: no training tasks were loaded")
-        trainer = Trainer(self.backbone.config, self.backbone.params, self.spec, self.tcfg)
-        opt_state = trainer.init_opt_state(self.trainable)
+        trainer = self.trainer
+        opt_state = self._place(trainer.init_opt_state(self.trainable))
         ckpt = self.checkpointer()
         start, cursor = 0, 0
         restored = None if cfg.fresh else self._restore(ckpt, opt_state)
@@ -250,11 +303,13 @@ class Job:
             writer.write(last, step=step + 1, kind="train")
             bar.set_postfix(reward=f"{stats.reward_mean:.3f}", skipped=f"{stats.skipped_within:.2f}")
             if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == steps:
-                ckpt.save(step + 1, {"trainable": self.trainable, "opt_state": opt_state, "key": self.key},
+                ckpt.save(step + 1, {"trainable": self.trainable, "opt_state": opt_state, "key": self._place(self.key)},
                           metadata={"step": step + 1, "data_cursor": cursor, "variant": self.variant,
                                     "config": cfg.to_json()})
         ckpt.wait()
         ckpt.close()
+        # Every process logs it: in a multi-process run the values must agree (they do by design).
+        log.info("trainable checksum (process %d): %s", jax.process_index(), trainable_checksum(self.trainable))
         return last
 
     def evaluate(self, writer: MetricsWriter | None = None, *, tasks: Sequence[Task] | None = None) -> dict:
@@ -280,6 +335,16 @@ class Job:
                          kind="eval")
         self.last_eval_result = result
         return metrics
+
+
+def trainable_checksum(tree) -> str:
+    """sha256 over the host bytes of every leaf (replicated arrays read locally on each process)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()[:16]
 
 
 def _count(result: RunResult, status) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import os
 import time
 import warnings
 from pathlib import Path
@@ -27,12 +28,19 @@ def run(cfg) -> int:
     from morse_jax.metrics_log import MetricsWriter
     from morse_jax.report import write_report
 
+    from morse_jax.parallel import barrier, is_coordinator
+
     t_start = time.time()
     workdir = Path(cfg.workdir).expanduser()
-    if cfg.fresh and cfg.mode == "train":
-        _clear_run(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(cfg.to_json(indent=2))
+    lead = is_coordinator()  # process 0 of a multi-process run writes files and prints
+    if lead:
+        if cfg.fresh and cfg.mode == "train":
+            _clear_run(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        # config.json is the training run's; other modes on the same workdir keep it intact.
+        name = "config.json" if cfg.mode == "train" else f"config_{cfg.mode}.json"
+        (workdir / name).write_text(cfg.to_json(indent=2))
+    barrier("workdir ready")
     if cfg.mode in ("plan", "solve"):
         return _solve(cfg, plan_only=cfg.mode == "plan")
     if cfg.mode == "diagnose":
@@ -42,7 +50,9 @@ def run(cfg) -> int:
     job = Job(cfg)
     print(f"morse_jax: {cfg.mode} variant={cfg.variant} model={job.backbone.source} "
           f"train_tasks={len(job.train_tasks)} eval_tasks={len(job.eval_tasks)} workdir={workdir}")
-    writer = MetricsWriter(workdir)
+    if lead:
+        print(job.memory_report())
+    writer = MetricsWriter(workdir, enabled=lead)
     if cfg.mode == "eval":
         print(f"evaluating: {job.restore()}")
     if cfg.mode == "train":
@@ -54,6 +64,8 @@ def run(cfg) -> int:
     print("eval: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
                                  if not isinstance(v, (list, dict))}))
     train_recs = writer.read("train")
+    if not lead:
+        return 0
     (workdir / "eval.json").write_text(json.dumps({"comparable": _comparable(cfg), "metrics": metrics}, default=str))
     report = write_report(workdir, family=cfg.data.family, evals=[metrics, *_sibling_evals(workdir, cfg)],
                           train=train_recs,
@@ -160,6 +172,15 @@ def main(argv):
         print(f"config error: {e}", file=sys.stderr)
         return 2
     _quiet_logs()
+    from morse_jax.parallel import initialize
+
+    # Before any other JAX use: joins a multi-process run (explicit settings or SLURM); no-op alone.
+    initialize(cfg.parallel.coordinator, cfg.parallel.num_processes, cfg.parallel.process_id)
+    import jax
+
+    if jax.process_index() != 0:  # one set of progress bars and prints per run
+        os.environ["TQDM_DISABLE"] = "1"
+        sys.stdout = open(os.devnull, "w")
     return run(cfg)
 
 

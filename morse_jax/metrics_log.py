@@ -11,10 +11,13 @@ from typing import Any, Mapping
 class MetricsWriter:
     """Append-only metrics log. Scalars also go to TensorBoard (``<workdir>/tb``)."""
 
-    def __init__(self, workdir: str | Path, *, tensorboard: bool = True):
+    def __init__(self, workdir: str | Path, *, tensorboard: bool = True, enabled: bool = True):
         self.path = Path(workdir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.enabled = enabled  # False on processes other than 0 of a multi-process run
         self._tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
@@ -24,6 +27,8 @@ class MetricsWriter:
                 self._tb = None
 
     def write(self, metrics: Mapping[str, Any], *, step: int, kind: str) -> None:
+        if not self.enabled:
+            return
         rec = {"kind": kind, "step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -41,7 +46,7 @@ class MetricsWriter:
 
     def drop_after(self, step: int, kind: str) -> None:
         """Forget ``kind`` records past ``step`` (a resumed run re-does those steps)."""
-        if not self.path.exists():
+        if not self.enabled or not self.path.exists():
             return
         keep = [r for r in self.read() if r.get("kind") != kind or r.get("step", 0) <= step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))

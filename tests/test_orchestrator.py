@@ -459,3 +459,21 @@ def test_planner_prefix_starts_the_answer_and_is_parsed_with_it():
     plan_prompt = h.requests_of("plan")[0]["messages"]
     assert plan_prompt[-1] == {"role": "assistant", "content": prefix}
     assert [n.id for n in res.traces["A"].plan.nodes] == ["a1", "a2"] and res.counters.replans == 0
+
+
+def test_verify_collective_wraps_each_wave_once():
+    # A multi-process job verifies on process 0 only: the hook gets one thunk per wave, from the
+    # main thread, and its (possibly broadcast) return value is what the orchestrator uses.
+    seen = []
+
+    def collective(thunk):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return [None if v is None else (VerifyResult(v[0].gate, v[0].reward, v[0].diagnostic), v[1])
+                for v in thunk()]
+
+    h = Harness()
+    orch = Orchestrator({"fake": FakeFamily()}, SPEC, h.generate, h.route, h.encode,
+                        OrchestratorConfig(mode="eval"), verify_collective=collective)
+    res = orch.run([task("A"), task("B", CHAIN)])
+    assert len(seen) == res.counters.waves and all(seen)
+    assert all(res.traces[t].all_passed for t in "AB")

@@ -425,3 +425,19 @@ def test_single_gpu_script_pins_one_device(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["cuda"] == "3" and out["argv"] == ["--config", "c.py", "--config.parallel.mesh=(1, 1, 1)"]
+
+
+@pytest.mark.gguf
+def test_main_job_evaluates_on_a_two_device_mesh(tmp_path):
+    """The main job on 2 host devices (mesh data=2): plan, sharded sampling with experts, verify,
+    report. Regression: the optimization barrier around top-k inside the sampler's lax.cond made
+    XLA's SPMD partitioner abort ("optimization_barrier ... cannot be downcasted to
+    GetTupleElement") on the SmolLM2 sampler; tiny models did not trigger it."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "morse_jax.main", "--config", "configs/quickstart.py",
+                        "--config.mode=eval", f"--config.workdir={tmp_path / 'run'}",
+                        f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.data.eval_ids=('19',)",
+                        "--config.rollout.eval_max_new_tokens=8", "--config.rollout.max_attempts=1"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "data=2" in r.stdout + r.stderr and (tmp_path / "run" / "report.md").is_file()

@@ -102,11 +102,9 @@ class ExpertBankSpec:
 
 
 def target_dims(cfg: ModelConfig, target: str) -> tuple[int, int]:
-    """(d_in, d_out) of a target projection."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {"q": (d, qd), "k": (d, kvd), "v": (d, kvd), "o": (qd, d), "gate": (d, f), "up": (d, f),
-            "down": (f, d)}[target]
+    """(d_in, d_out) of a target projection: the widest over all layers (Gemma 4's layers differ;
+    narrower layers use the leading rows/columns of the factors)."""
+    return cfg.target_dims(target)
 
 
 def init_expert_bank(key: jax.Array, cfg: ModelConfig, spec: ExpertBankSpec, dtype=jnp.float32) -> dict:

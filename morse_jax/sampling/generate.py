@@ -231,7 +231,8 @@ class Sampler:
 
         def body(s):
             key, sub = jax.random.split(s["key"])
-            tok, lp = select_tokens(sub, s["logits"], temperature, top_k, top_p, k_cap=self.config.k_cap)
+            tok, lp = select_tokens(sub, s["logits"], temperature, top_k, top_p, k_cap=self.config.k_cap,
+                                    barrier=self.mesh is None)
             active = ~s["done"]
             tokens = s["tokens"].at[:, s["step"]].set(jnp.where(active, tok, 0))
             logps = s["logps"].at[:, s["step"]].set(jnp.where(active, lp, 0.0))

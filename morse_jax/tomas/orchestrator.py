@@ -121,11 +121,15 @@ class Orchestrator:
       generate_fn, route_fn, encode_fn: see the module docstring (route_fn may be None for
         variants without a router).
       config: :class:`OrchestratorConfig`.
+      verify_collective: runs a wave's verification thunk and returns its result list; a
+        multi-process job passes one that runs it on process 0 only and broadcasts the results
+        (``parallel.run_on_coordinator``), so sandboxed code runs once, not once per host.
     """
 
     def __init__(self, families: Mapping[str, TaskFamily], spec: ExpertBankSpec | None,
                  generate_fn: GenerateFn, route_fn: RouteFn | None, encode_fn: EncodeFn,
-                 config: OrchestratorConfig = OrchestratorConfig()):
+                 config: OrchestratorConfig = OrchestratorConfig(),
+                 verify_collective: Callable[[Callable[[], list]], list] | None = None):
         if not isinstance(config, OrchestratorConfig):
             raise ValueError(f"config must be an OrchestratorConfig, got {type(config).__name__}")
         if not isinstance(families, Mapping) or not families:
@@ -153,6 +157,7 @@ class Orchestrator:
                 raise ValueError("spec: variant 'single_lora' needs a bank with exactly one expert")
         self.families, self.spec, self.config = dict(families), spec, config
         self.generate_fn, self.route_fn, self.encode_fn = generate_fn, route_fn, encode_fn
+        self.verify_collective = verify_collective
         self._rng = np.random.default_rng(config.seed)
 
     @property
@@ -411,13 +416,19 @@ class Orchestrator:
                 text = comps[c.start + j].text
                 artifact, failed = self._extract(c, text)
                 jobs.append((c, artifact, failed))
-        futures = [None if failed else pool.submit(self._verify, c, art) for c, art, failed in jobs]
+
+        def verify_wave() -> list[tuple[VerifyResult, bool] | None]:
+            futures = [None if failed else pool.submit(self._verify, c, art) for c, art, failed in jobs]
+            return [None if fut is None else fut.result() for fut in futures]
+
+        # Multi-controller runs verify on process 0 only and share the results (verify_collective).
+        verified = verify_wave() if self.verify_collective is None else self.verify_collective(verify_wave)
         results = []
-        for (c, art, failed), fut in zip(jobs, futures):
-            if fut is None:
+        for (c, art, failed), v in zip(jobs, verified):
+            if v is None:
                 results.append(failed)
                 continue
-            res, err = fut.result()
+            res, err = v
             counters.verifier_calls += 1
             counters.verifier_errors += int(err)
             results.append(res)

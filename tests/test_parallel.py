@@ -441,3 +441,37 @@ def test_main_job_evaluates_on_a_two_device_mesh(tmp_path):
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "data=2" in r.stdout + r.stderr and (tmp_path / "run" / "report.md").is_file()
+
+
+TINY_QUICKSTART = ["--config", "configs/quickstart.py", "--config.fresh=True", "--config.train.steps=1",
+                   "--config.data.train_ids=('19',)", "--config.data.eval_ids=('19',)", "--config.data.tasks_per_step=1",
+                   "--config.rollout.routes=2", "--config.rollout.candidates=2", "--config.rollout.max_attempts=1",
+                   "--config.rollout.max_new_tokens=48", "--config.rollout.eval_max_new_tokens=48"]
+
+
+def _checksums(text: str) -> dict[int, str]:
+    import re
+
+    return {int(p): c for p, c in re.findall(r"trainable checksum \(process (\d+)\): ([0-9a-f]+)", text)}
+
+
+@pytest.mark.slow
+@pytest.mark.gguf
+def test_two_process_quickstart_step_matches_single_process(tmp_path):
+    """launch/local_multiprocess.sh: two CPU processes run one step of the quickstart loop (plan,
+    route, sharded generate, verify on process 0, HGRPO update, checkpoint, eval, report); both end
+    with the same trainable params, equal to a one-process run of the same config."""
+    logs = tmp_path / "logs"
+    r = subprocess.run(["bash", str(REPO / "launch" / "local_multiprocess.sh"), "-n", "2", "-d", "1", "-l", str(logs),
+                        "--", *TINY_QUICKSTART, f"--config.workdir={tmp_path / 'mp'}",
+                        f"--config.data.cache_dir={tmp_path / 'cache'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-4000:]
+    multi = {**_checksums((logs / "process_0.log").read_text()), **_checksums((logs / "process_1.log").read_text())}
+    assert set(multi) == {0, 1} and multi[0] == multi[1]
+    assert (tmp_path / "mp" / "report.md").is_file() and (tmp_path / "mp" / "checkpoints" / "1").is_dir()
+    single = subprocess.run([sys.executable, "-m", "morse_jax.main", *TINY_QUICKSTART,
+                             f"--config.workdir={tmp_path / 'one'}", f"--config.data.cache_dir={tmp_path / 'cache'}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert single.returncode == 0, single.stderr[-4000:]
+    assert _checksums(single.stderr)[0] == multi[0]

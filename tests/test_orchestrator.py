@@ -447,6 +447,7 @@ def test_render_trace_shows_dag_statuses_and_artifacts():
     assert "Plan: 4 nodes" in text and "[join: merge of b, c]" in text
     assert "== a: A [passed]" in text and "   | art a" in text
     assert "== b: B [failed]" in text and "bad output at b" in text
+    assert "   rejected output:\n   | BAD" in text  # a failed node still shows what it produced
     assert "== d: D [blocked] blocked by failed node b" in text
 
 

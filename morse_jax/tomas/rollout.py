@@ -412,10 +412,12 @@ def render_trace(trace: TaskTrace, *, max_artifact_chars: int | None = None) -> 
                          + (f" ({comps})" if comps else ""))
             if not nt.result.gate and nt.result.diagnostic:
                 lines.append(f"   diagnostic: {nt.result.diagnostic.strip()}")
-        art = nt.artifact
+        # A failed node propagates nothing; its last output is still what the user wants to see.
+        art, label = (nt.artifact, "artifact") if nt.artifact is not None else (nt.text, "rejected output")
         if art is not None:
-            if max_artifact_chars is not None and len(art) > max_artifact_chars:
-                art = art[:max_artifact_chars] + f"\n[... {len(nt.artifact) - max_artifact_chars} more chars]"
-            lines.append("   artifact:")
+            full = len(art)
+            if max_artifact_chars is not None and full > max_artifact_chars:
+                art = art[:max_artifact_chars] + f"\n[... {full - max_artifact_chars} more chars]"
+            lines.append(f"   {label}:")
             lines.extend("   | " + ln for ln in art.splitlines() or [""])
     return "\n".join(lines)

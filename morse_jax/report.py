@@ -36,6 +36,7 @@ def _plots(workdir: Path, train: Sequence[Mapping], evals: Sequence[Mapping]) ->
         fig, ax = plt.subplots(figsize=(5, 3))
         ax.plot([r["step"] for r in train], [r["reward_mean"] for r in train], marker="o")
         ax.set_xlabel("HGRPO step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylabel("mean verifier reward")
         ax.set_title("Reward per step")
         fig.tight_layout()

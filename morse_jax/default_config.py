@@ -72,6 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.max_nodes = 8
     c.rollout.max_replans = 2
     c.rollout.planner_prefix = '{"nodes": ['  # the planner's answer starts here ("" = free-form)
+    c.rollout.answer_prefix = True  # families may start answers (SciCode: the step's function header)
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 100  # HGRPO steps (each rolls out data.tasks_per_step tasks)

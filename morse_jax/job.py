@@ -204,7 +204,8 @@ class Job:
             eval_sampling=SamplingSettings(r.eval_temperature, 1.0, r.eval_max_new_tokens),
             planner_sampling=SamplingSettings(0.0, 1.0, r.planner_max_new_tokens),
             stop_token_ids=self.stop_ids, min_nodes=r.min_nodes, max_nodes=r.max_nodes,
-            max_replans=r.max_replans, planner_prefix=r.planner_prefix, seed=self.cfg.seed)
+            max_replans=r.max_replans, planner_prefix=r.planner_prefix,
+            answer_prefix=r.answer_prefix, seed=self.cfg.seed)
         families = {self.family.name: self.family} if self.family is not None else {}
         route_fn = self.route if variant in ("mole", "flat_mole") else None
         return Orchestrator(families, self.spec, self.generate, route_fn, self.encode, ocfg,

@@ -85,7 +85,8 @@ class Harness:
         for r in requests:
             msgs = self.prompts[r.prompt_ids[0] - 1000]
             try:
-                info = json.loads(msgs[-1]["content"].split("\n\nYour previous answer")[0])
+                last = next(m for m in reversed(msgs) if m["role"] != "assistant")  # skip an answer prefix
+                info = json.loads(last["content"].split("\n\nYour previous answer")[0])
             except ValueError:
                 info = {"kind": "plan"}
             info.update(expert_ids=tuple(r.expert_ids), expert_weights=tuple(r.expert_weights),
@@ -478,3 +479,22 @@ def test_verify_collective_wraps_each_wave_once():
     res = orch.run([task("A"), task("B", CHAIN)])
     assert len(seen) == res.counters.waves and all(seen)
     assert all(res.traces[t].all_passed for t in "AB")
+
+
+class PrefixFamily(FakeFamily):
+    def answer_prefix(self, task, node, role):
+        return f"START[{role}:{node.id}] " if role == "execute" else ""
+
+
+def test_answer_prefix_ends_the_prompt_and_starts_the_extracted_text():
+    h = Harness(script=lambda info: "body")
+    res = Orchestrator({"fake": PrefixFamily()}, SPEC, h.generate, h.route, h.encode,
+                       OrchestratorConfig(mode="eval")).run([task("A", CHAIN)])
+    execs = h.requests_of("exec")
+    assert execs and all(r["messages"][-1] == {"role": "assistant", "content": f"START[execute:{r['node']}] "}
+                         for r in execs)
+    assert all(n.artifact == f"START[execute:{nid}] body" for nid, n in res.traces["A"].nodes.items())
+    h2 = Harness(script=lambda info: "body")
+    res2 = Orchestrator({"fake": PrefixFamily()}, SPEC, h2.generate, h2.route, h2.encode,
+                        OrchestratorConfig(mode="eval", answer_prefix=False)).run([task("A", CHAIN)])
+    assert all(n.artifact == "body" for n in res2.traces["A"].nodes.values())

@@ -363,3 +363,20 @@ def test_metrics_hand_made():
         StepResult("a", "a.1", 4, 3)
     with pytest.raises(ValueError, match="at least one"):
         problem_pass([])
+
+
+def test_answer_prefix_is_the_header_and_a_body_completion_passes(dev, family):
+    p, sid = dev["1"], "1.1"
+    task, nd = sc.problem_to_task(p), node(p, sid)
+    prefix = family.answer_prefix(task, nd, "execute")
+    step = p.step(sid)
+    assert prefix == f"```python\n{step.function_header.rstrip()}\n" and family.answer_prefix(task, nd, "merge") == ""
+    # The model writes only the body after the header; prefix + completion is one python block.
+    import ast
+
+    fn = next(n for n in ast.parse(step.ground_truth).body if isinstance(n, ast.FunctionDef))
+    lines = step.ground_truth.splitlines()
+    gold_body = "\n".join(lines[fn.body[1].lineno - 1:fn.end_lineno])  # after the gold docstring
+    family.execute_messages(task, nd, "", None)
+    art = family.extract_artifact(task, nd, prefix + gold_body.lstrip("\n") + "\n```\n")
+    assert family.verify(task, nd, art).reward == 1.0

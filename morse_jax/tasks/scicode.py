@@ -919,6 +919,14 @@ class SciCodeFamily:
                 "program in one ```python block.")
         return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}]
 
+    def answer_prefix(self, task: Task, node: PlanNode, role: str) -> str:
+        """An execute answer starts with the step's header, as SciCode's own prompts end with it;
+        the model writes the body. Merges get no prefix."""
+        if role != "execute":
+            return ""
+        _, step = self._step(task, node)
+        return f"```python\n{step.function_header.rstrip()}\n"
+
     def extract_artifact(self, task: Task, node: PlanNode, completion: str,
                          context: str | None = None) -> str:
         """The program so far: upstream code (``context``, else the one given to

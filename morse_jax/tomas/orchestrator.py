@@ -82,6 +82,7 @@ class _Call:
     active: list[ActiveSet] = dataclasses.field(default_factory=list)  # per row
     cols: int = 1
     context: str = ""
+    prefix: str = ""  # the answer's given start (TaskFamily.answer_prefix), part of the prompt
     start: int = 0  # first request index of this call in the wave
 
 
@@ -368,12 +369,18 @@ class Orchestrator:
             c.context = ""
         return list(ts.family.execute_messages(ts.task, node, c.context, diag))
 
+    def _answer_prefix(self, c: _Call) -> str:
+        if not self.config.answer_prefix:
+            return ""
+        fn = getattr(c.ts.family, "answer_prefix", None)
+        return fn(c.ts.task, c.node, c.role) if callable(fn) else ""
+
     def _extract(self, c: _Call, text: str) -> tuple[str, VerifyResult | None]:
         fam = c.ts.family
         fn = getattr(fam, "extract_merge_artifact", None) if c.role == "merge" else None
         fn = fn if callable(fn) else fam.extract_artifact
         try:
-            return fn(c.ts.task, c.node, text), None
+            return fn(c.ts.task, c.node, c.prefix + text), None
         except Exception as e:  # untrusted text must not crash a long run; counted and logged
             if self.config.raise_verifier_errors:
                 raise
@@ -402,7 +409,11 @@ class Orchestrator:
         self._layout(calls, counters)
         requests: list[Request] = []
         for c in calls:
-            c.prompt_ids = list(self.encode_fn(self._messages(c)))
+            messages = self._messages(c)
+            c.prefix = self._answer_prefix(c)
+            if c.prefix:  # the model continues it (e.g. a SciCode step's header): a scaffold, not a hint
+                messages = [*messages, {"role": "assistant", "content": c.prefix}]
+            c.prompt_ids = list(self.encode_fn(messages))
             c.start = len(requests)
             for active in c.active:
                 requests.extend(self._request(c.prompt_ids, active, s) for _ in range(c.cols))

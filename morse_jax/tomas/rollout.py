@@ -303,6 +303,8 @@ class OrchestratorConfig:
     min_nodes / max_nodes / max_replans: planner bounds and re-plan budget.
     planner_prefix: text the planner's answer is made to start with (an assistant-turn prefix,
       e.g. '{"nodes": ['): small models then write the JSON instead of code. "" = none.
+    answer_prefix: let families start their answers (``TaskFamily.answer_prefix(task, node, role)``,
+      optional; SciCode: the step's function header in a python fence).
     verify_workers: threads verifying a wave's artifacts concurrently.
     raise_verifier_errors: re-raise an exception from extract/verify instead of scoring the
       candidate as a gate failure (the default logs it and counts it in ``verifier_errors``).
@@ -326,6 +328,7 @@ class OrchestratorConfig:
     max_nodes: int = 8
     max_replans: int = 2
     planner_prefix: str = ""
+    answer_prefix: bool = True
     verify_workers: int = 4
     raise_verifier_errors: bool = False
     seed: int = 0

@@ -286,6 +286,15 @@ def _activation(name: str):
     return lambda x: jax.nn.gelu(x, approximate=False)
 
 
+def _normed_kv(k, v, lp, cfg, cos, sin, eps, off):
+    """New keys and values [B, T, K, D] as the cache stores them: k/v norms, rotary on keys."""
+    if cfg.qk_norm:
+        k = rms_norm(k, lp["k_norm"], eps, off)
+    if cfg.v_norm:
+        v = rms_norm_unscaled(v, eps)
+    return apply_rope(k, cos, sin), v
+
+
 def _write_cache(cache, i, k, v, idx):
     """k, v [B, T, K, D] -> caches with slots idx..idx+T-1 written."""
     ck, cv = cache["k"][i], cache["v"][i]
@@ -367,12 +376,7 @@ def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arr
         if producer is None:
             k = qkv[1].reshape(B, T, K, D)
             v = qkv[2].reshape(B, T, K, D) if len(qkv) == 3 else k  # Gemma 4 k = v layers
-            if cfg.qk_norm:
-                k = rms_norm(k, lp["k_norm"], eps, off)
-            if cfg.v_norm:
-                v = rms_norm_unscaled(v, eps)
-            k = apply_rope(k, cos, sin)
-            ck, cv = _write_cache(cache, i, k, v, idx)
+            ck, cv = _write_cache(cache, i, *_normed_kv(k, v, lp, cfg, cos, sin, eps, off), idx)
         else:  # KV-shared layer: the producer's cache, already written this call
             ck, cv = new_k[producer], new_v[producer]
         new_k.append(None if producer is not None else ck)
@@ -479,12 +483,7 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
         if producer is None:
             k = qkvT[1].T.reshape(B, 1, K, D)
             v = qkvT[2].T.reshape(B, 1, K, D) if len(qkvT) == 3 else k  # Gemma 4 k = v layers
-            if cfg.qk_norm:
-                k = rms_norm(k, lp["k_norm"], eps, off)
-            if cfg.v_norm:
-                v = rms_norm_unscaled(v, eps)
-            k = apply_rope(k, cos, sin)
-            ck, cv = _write_cache(cache, i, k, v, idx)
+            ck, cv = _write_cache(cache, i, *_normed_kv(k, v, lp, cfg, cos, sin, eps, off), idx)
         else:  # KV-shared layer: the producer's cache, already written this step
             ck, cv = new_k[producer], new_v[producer]
         new_k.append(None if producer is not None else ck)

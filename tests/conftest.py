@@ -56,6 +56,14 @@ def build_tiny_torch_model(family: str, seed: int = 0, **overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    return perturb_(model, seed)
+
+
+def perturb_(model, seed: int):
+    """Noise on norms, biases and layer scalars, in place (returns the model): their defaults
+    (ones / zeros) would hide a norm with the wrong offset, a dropped bias or a missing scalar."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -63,6 +71,9 @@ def build_tiny_torch_model(family: str, seed: int = 0, **overrides):
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(1.0 + 0.3 * torch.randn(b.shape, generator=gen))
     return model
 
 

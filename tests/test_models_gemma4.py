@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import perturb_
 from safetensors.numpy import save_file
 
 from morse_jax.models import (Backbone, ModelConfig, RopeSpec, forward, from_hf_config, init_cache, init_params,
@@ -67,22 +68,6 @@ CASES = {
 LENGTHS, T = (12, 8, 3), 12  # a full row and two left-padded rows
 
 
-def _perturb(model, seed):
-    """Noise on norms, biases and layer scalars: their defaults (ones / zeros) would hide a norm
-    with the wrong offset, a dropped bias or a missing scalar."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(1.0 + 0.3 * torch.randn(b.shape, generator=gen))
-    return model
-
-
 def build_hf(tmp_path, seed=0, **overrides):
     from transformers import AutoModelForCausalLM, Gemma4TextConfig
 
@@ -90,7 +75,7 @@ def build_hf(tmp_path, seed=0, **overrides):
         warnings.simplefilter("ignore")
         cfg = Gemma4TextConfig(**{**TINY, **overrides})
         torch.manual_seed(seed)
-        model = _perturb(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), seed)
+        model = perturb_(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), seed)
         model.save_pretrained(tmp_path)
     return model
 
@@ -177,7 +162,7 @@ def test_multimodal_checkpoint_loads_text_backbone(tmp_path):
         warnings.simplefilter("ignore")
         cfg = Gemma4Config(text_config=text, vision_config=None, audio_config=None)
         torch.manual_seed(3)
-        model = _perturb(Gemma4ForConditionalGeneration(cfg).eval(), 3)
+        model = perturb_(Gemma4ForConditionalGeneration(cfg).eval(), 3)
         model.save_pretrained(tmp_path)
     bb = load(tmp_path)
     assert bb.config.family == "gemma4" and bb.config.per_layer_input_size == 8

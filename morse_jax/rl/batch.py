@@ -125,13 +125,17 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buckets: Sequence[int],
-                  max_active: int, scale: float = 1.0) -> dict[str, np.ndarray]:
+                  max_active: int, scale: float = 1.0,
+                  completion_buckets: Sequence[int] | None = None) -> dict[str, np.ndarray]:
     """Right-padded teacher-forcing batch.
 
     Position t predicts token t+1; ``target_mask[n, t]`` is 1 where token t+1 was generated.
     Returns tokens int32[R, L], valid bool[R, L], targets int32[R, L], target_mask f32[R, L],
     old_logp f32[R, L], advantages f32[R] (times ``scale``), expert_ids int32[R, A],
     expert_weights f32[R, A]. Rows beyond len(examples) are padding (zero advantage and mask).
+    With ``completion_buckets`` also logit_index int32[R, C] (each row's generated positions,
+    then repeats of its last one) and logit_mask f32[R, C] (1 on real entries), C the bucket of
+    the longest completion, at most L: the LM head then runs at those positions only.
     """
     if len(examples) > rows:
         raise ValueError(f"{len(examples)} examples do not fit in {rows} rows")
@@ -158,6 +162,91 @@ def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buck
         out["advantages"][i] = e.advantage * scale
         out["expert_ids"][i, :len(e.expert_ids)] = e.expert_ids
         out["expert_weights"][i, :len(e.expert_weights)] = e.expert_weights
+    if completion_buckets is not None:
+        C = min(L, _bucket(max([len(e.completion_ids) for e in examples] + [1]), completion_buckets))
+        out["logit_index"] = np.zeros((rows, C), np.int32)
+        out["logit_mask"] = np.zeros((rows, C), np.float32)
+        for i, e in enumerate(examples):
+            p, c = len(e.prompt_ids), len(e.completion_ids)
+            out["logit_index"][i] = np.clip(np.arange(C) + p - 1, 0, max(p + c - 2, 0))
+            out["logit_mask"][i, :c] = 1.0
+    return out
+
+
+def share_key(e: SequenceExample) -> tuple:
+    """Candidates with equal keys (same prompt, same active set) have identical prompt activations
+    in every layer, so :func:`pad_shared` runs their prompt once."""
+    return (tuple(int(t) for t in e.prompt_ids), tuple(int(x) for x in e.expert_ids),
+            tuple(float(w) for w in e.expert_weights))
+
+
+def group_order(examples: Sequence[SequenceExample]) -> list[int]:
+    """Indices of ``examples`` with equal :func:`share_key` made adjacent (groups in order of first
+    appearance, stable within), so micro-batches cut from this order share prompts."""
+    first: dict[tuple, int] = {}
+    keys = [first.setdefault(share_key(e), len(first)) for e in examples]
+    return sorted(range(len(examples)), key=lambda i: keys[i])
+
+
+def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Sequence[int], max_active: int,
+               scale: float = 1.0) -> dict[str, np.ndarray]:
+    """Prompt-sharing batch: each distinct (prompt, active set) is one prompt row, run once; every
+    candidate row holds only its completion and attends to its prompt row's keys and values.
+
+    In an HGRPO group all B*M candidates answer one prompt and the M of a route share its experts,
+    so the prompt runs B times instead of B*M.
+    Returns prompt_tokens int32[P, Lp] (left-padded, so every prompt ends at slot Lp-1),
+    prompt_valid bool[P, Lp], prompt_expert_ids int32[P, A], prompt_expert_weights f32[P, A];
+    per candidate: tokens int32[R, Lc] (its completion, right-padded; also the targets, since
+    completion token j is predicted at slot j), valid bool[R, Lc], prompt_row int32[R],
+    target_mask f32[R, Lc], old_logp f32[R, Lc], advantages f32[R] (times ``scale``),
+    expert_ids int32[R, A], expert_weights f32[R, A]. P is the power of two >= the number of
+    distinct prompts (at most ``rows``); Lp and Lc are ``buckets`` of the longest prompt and
+    completion. Padding prompt rows repeat row 0; padding candidate rows have zero mask.
+    """
+    if len(examples) > rows:
+        raise ValueError(f"{len(examples)} examples do not fit in {rows} rows")
+    index: dict[tuple, int] = {}
+    prompt_of = [index.setdefault(share_key(e), len(index)) for e in examples]
+    uniq = [None] * len(index)
+    for e, j in zip(examples, prompt_of):
+        uniq[j] = uniq[j] or e
+    P = 1 << max(len(uniq) - 1, 0).bit_length()
+    Lp = _bucket(max([len(e.prompt_ids) for e in uniq] + [1]), buckets)
+    Lc = _bucket(max([len(e.completion_ids) for e in examples] + [1]), buckets)
+    out = {
+        "prompt_tokens": np.zeros((P, Lp), np.int32), "prompt_valid": np.zeros((P, Lp), bool),
+        "prompt_expert_ids": np.zeros((P, max_active), np.int32),
+        "prompt_expert_weights": np.zeros((P, max_active), np.float32),
+        "tokens": np.zeros((rows, Lc), np.int32), "valid": np.zeros((rows, Lc), bool),
+        "prompt_row": np.zeros(rows, np.int32), "target_mask": np.zeros((rows, Lc), np.float32),
+        "old_logp": np.zeros((rows, Lc), np.float32), "advantages": np.zeros(rows, np.float32),
+        "expert_ids": np.zeros((rows, max_active), np.int32),
+        "expert_weights": np.zeros((rows, max_active), np.float32),
+    }
+    for j, e in enumerate(uniq):
+        p = list(e.prompt_ids)
+        if not p:
+            raise ValueError(f"prompt {j} is empty: the first completion token needs a prompt position")
+        out["prompt_tokens"][j, Lp - len(p):] = p
+        out["prompt_valid"][j, Lp - len(p):] = True
+        out["prompt_expert_ids"][j, :len(e.expert_ids)] = e.expert_ids
+        out["prompt_expert_weights"][j, :len(e.expert_weights)] = e.expert_weights
+    for j in range(len(uniq), P):
+        for k in ("prompt_tokens", "prompt_valid", "prompt_expert_ids", "prompt_expert_weights"):
+            out[k][j] = out[k][0]
+    for i, (e, j) in enumerate(zip(examples, prompt_of)):
+        c = list(e.completion_ids)
+        if len(e.behaviour_logprobs) != len(c):
+            raise ValueError(f"example {i}: {len(e.behaviour_logprobs)} behaviour log-probs for {len(c)} tokens")
+        out["tokens"][i, :len(c)] = c
+        out["valid"][i, :len(c)] = True
+        out["prompt_row"][i] = j
+        out["target_mask"][i, :len(c)] = 1.0
+        out["old_logp"][i, :len(c)] = e.behaviour_logprobs
+        out["advantages"][i] = e.advantage * scale
+        out["expert_ids"][i] = out["prompt_expert_ids"][j]
+        out["expert_weights"][i] = out["prompt_expert_weights"][j]
     return out
 
 

@@ -8,6 +8,11 @@ Loss (to minimise), per update over G groups (nodes):
   router: (1/G) * alpha_pi * sum_routes [-A_cross * log pi(route set)]   (PPO-clipped on reuse)
   reg:    -w_H * mean H(pi) + w_O * ||P̂P̂ᵀ - I||²_F   (+ beta * KL(new || base), beta=0 default)
 Micro-batches of sequences are accumulated on the host (gradients are sums, so exact).
+
+Cost (see bench/train_step.py): only the last L_adapt layers are differentiated (the frozen
+prefix has no tangents, so XLA neither transposes it nor keeps its activations); the LM head runs
+at generated positions only, as logit[target] - logsumexp; candidates sharing a prompt and active
+set run that prompt once (``share_prompts``: the M candidates of an HGRPO route).
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import numpy as np
 import optax
 
 from morse_jax.models.config import ModelConfig
-from morse_jax.models.transformer import forward, split_segments
+from morse_jax.models.transformer import forward, init_cache, split_segments
 from morse_jax.mole import router as rt
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, init_expert_bank
 from morse_jax.rl import losses
-from morse_jax.rl.batch import RouteExample, SequenceExample, pad_routes, pad_sequences
+from morse_jax.rl.batch import (RouteExample, SequenceExample, group_order, pad_routes, pad_sequences, pad_shared,
+                                share_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +55,17 @@ class TrainConfig:
     router_dim: int = 128
     micro_batch: int = 8
     length_buckets: tuple[int, ...] = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+    # LM-head positions per row (the longest completion's bucket) and, with share_prompts, the
+    # prompt and completion lengths: 1/8-octave steps, so padding wastes at most ~20 % (a 194-token
+    # completion pads to 224, not 256) for a bounded number of compiles. None: head everywhere.
+    completion_buckets: tuple[int, ...] | None = (
+        16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+        1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
     route_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
+    # run a prompt once for all candidates sharing it and their active set (rl.batch.pad_shared)
+    # in updates where that at least halves the prompts run; prompts and completions then pad to
+    # completion_buckets separately
+    share_prompts: bool = True
     max_active: int = 4
 
     def __post_init__(self):
@@ -82,14 +98,73 @@ def init_trainable(key: jax.Array, model_cfg: ModelConfig, spec: ExpertBankSpec,
 
 
 def sequence_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, bank, batch) -> jax.Array:
-    """log p(target) at every position under the given experts: float32[R, L] (0 where masked)."""
+    """log p(target) at every position under the given experts: float32[R, L] (0 where masked).
+
+    With ``batch["logit_index"]`` (int32[R, C], each row's generated positions, from
+    ``pad_sequences``) the LM head runs at those R*C positions only (with 200-token prompts,
+    half of R*L). A prompt-sharing batch (``pad_shared``) goes to :func:`shared_logprobs` and
+    gives float32[R, Lc], entry j for completion token j.
+    """
+    if "prompt_tokens" in batch:
+        return shared_logprobs(frozen, model_cfg, spec, bank, batch)
     lora = None
     if spec is not None and bank is not None:
         lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"])
-    logits, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], lora=lora)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    out = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    hidden, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], lora=lora, logits_mode="hidden")
+    if "logit_index" not in batch:
+        return token_logprobs(frozen, model_cfg, hidden, batch["targets"]) * batch["target_mask"]
+    idx = batch["logit_index"]
+    h = jnp.take_along_axis(hidden, idx[..., None], axis=1)  # [R, C, d]
+    lp = token_logprobs(frozen, model_cfg, h, jnp.take_along_axis(batch["targets"], idx, axis=1))
+    rows = jnp.arange(idx.shape[0])[:, None]
+    # padding entries of the index repeat a position with weight 0, so the scatter-add is exact
+    out = jnp.zeros(batch["targets"].shape, jnp.float32).at[rows, idx].add(lp * batch["logit_mask"])
     return out * batch["target_mask"]
+
+
+def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, bank, batch) -> jax.Array:
+    """Completion log-probs for a prompt-sharing batch (``rl.batch.pad_shared``): float32[R, Lc],
+    entry j the log-prob of completion token j (0 where masked).
+
+    The prompt rows run into a KV cache; each candidate row continues from a copy of its prompt
+    row's cache. Gradients reach the experts through both passes (the prompt's adapted-layer
+    keys and values depend on them).
+    """
+    use = spec is not None and bank is not None
+    P, Lp = batch["prompt_tokens"].shape
+    Lc = batch["tokens"].shape[1]
+    cache = init_cache(model_cfg, frozen, P, Lp, frozen["embed"].dtype)
+    lora = gather_lora(bank, spec, batch["prompt_expert_ids"], batch["prompt_expert_weights"]) if use else None
+    h_prompt, cache = forward(frozen, model_cfg, batch["prompt_tokens"], valid=batch["prompt_valid"], cache=cache,
+                              lora=lora, logits_mode="hidden")
+    rows = batch["prompt_row"]
+
+    def widen(x):  # each candidate's copy of its prompt's cache, with Lc free slots after the prompt
+        x = jnp.take(x, rows, axis=x.ndim - 4)  # stacked segments [n, P, S, K, D], unrolled [P, S, K, D]
+        return jnp.pad(x, [(0, Lc if a == x.ndim - 3 else 0) for a in range(x.ndim)])
+
+    cache = {"layers": jax.tree.map(widen, cache["layers"]),
+             "valid": jnp.pad(cache["valid"][rows], ((0, 0), (0, Lc))), "index": cache["index"]}
+    lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"]) if use else None
+    h_comp, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], cache=cache, lora=lora,
+                        logits_mode="hidden")
+    # completion token 0 is predicted at the prompt's last slot, token j at completion slot j-1
+    hidden = jnp.concatenate([h_prompt[rows, -1][:, None], h_comp[:, :-1]], axis=1)
+    return token_logprobs(frozen, model_cfg, hidden, batch["tokens"]) * batch["target_mask"]
+
+
+def token_logprobs(frozen, model_cfg: ModelConfig, hidden: jax.Array, targets: jax.Array) -> jax.Array:
+    """log softmax(LM head(hidden))[target]: float32[...] for hidden [..., d], targets int32[...].
+
+    Computed as logit[target] - logsumexp(logits): unlike a full log_softmax, no second [..., V]
+    array is written and read back (the head's elementwise passes were ~1/3 of its time on CPU).
+    """
+    head = frozen["embed"].T if model_cfg.tie_embeddings else frozen["lm_head"]
+    logits = jnp.einsum("...d,dv->...v", hidden, head).astype(jnp.float32)
+    if model_cfg.final_logit_softcap:
+        logits = jnp.tanh(logits / model_cfg.final_logit_softcap) * model_cfg.final_logit_softcap
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 class Trainer:
@@ -182,10 +257,9 @@ class Trainer:
         """
         scale = 1.0 / max(num_groups, 1)
         grads, metrics, parts = None, {}, []
-        mb = self.cfg.micro_batch
-        for start in range(0, len(seqs), mb):
-            batch = pad_sequences(seqs[start:start + mb], rows=mb, length_buckets=self.cfg.length_buckets,
-                                  max_active=self.cfg.max_active, scale=scale)
+        shared, chunks = self._micro_batches(seqs)
+        for idx in chunks:
+            batch = self._pad([seqs[i] for i in idx], shared, scale)
             g, m = self._lora_grad(trainable, self.frozen, batch)
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
             parts.append(m)
@@ -215,16 +289,48 @@ class Trainer:
             out[k] = v.tolist() if v.ndim else float(v)
         return trainable, opt_state, out
 
+    def _micro_batches(self, seqs: Sequence[SequenceExample]) -> tuple[bool, list[list[int]]]:
+        """(shared, index lists): the prompt-sharing layout when it at least halves the prompts run
+        (decided once per update, so one update compiles one layout), else flat micro-batches.
+
+        Shared micro-batches hold whole runs of candidates with one prompt and active set (a run
+        longer than a micro-batch is cut): split runs would repeat their prompt and make the prompt
+        row count vary from step to step (each count a compile).
+        """
+        mb = self.cfg.micro_batch
+        keys = [share_key(e) for e in seqs]
+        if not (self.cfg.share_prompts and 2 * len(set(keys)) <= len(seqs)):
+            return False, [list(range(s, min(s + mb, len(seqs)))) for s in range(0, len(seqs), mb)]
+        order = group_order(seqs)
+        runs: list[list[int]] = []
+        for i in order:
+            if runs and keys[runs[-1][0]] == keys[i] and len(runs[-1]) < mb:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        chunks: list[list[int]] = []
+        for run in runs:
+            if not chunks or len(chunks[-1]) + len(run) > mb:
+                chunks.append([])
+            chunks[-1].extend(run)
+        return True, chunks
+
+    def _pad(self, chunk: Sequence[SequenceExample], shared: bool, scale: float = 1.0) -> dict[str, np.ndarray]:
+        c = self.cfg
+        if shared:
+            return pad_shared(chunk, rows=c.micro_batch, buckets=c.completion_buckets or c.length_buckets,
+                              max_active=c.max_active, scale=scale)
+        return pad_sequences(chunk, rows=c.micro_batch, length_buckets=c.length_buckets, max_active=c.max_active,
+                             scale=scale, completion_buckets=c.completion_buckets)
+
     def logprobs(self, bank, seqs: Sequence[SequenceExample]) -> list[np.ndarray]:
         """Per-example completion log-probs under ``bank`` (for checks against the sampler)."""
-        out = []
-        mb = self.cfg.micro_batch
-        for start in range(0, len(seqs), mb):
-            chunk = seqs[start:start + mb]
-            batch = pad_sequences(chunk, rows=mb, length_buckets=self.cfg.length_buckets,
-                                  max_active=self.cfg.max_active)
+        out: list[np.ndarray | None] = [None] * len(seqs)
+        shared, chunks = self._micro_batches(seqs)
+        for idx in chunks:
+            batch = self._pad([seqs[i] for i in idx], shared)
             lp = np.asarray(self._logprobs(self.frozen, bank=bank, batch=batch))
-            for i, e in enumerate(chunk):
-                p, n = len(e.prompt_ids), len(e.completion_ids)
-                out.append(lp[i, p - 1:p - 1 + n])
+            for row, i in enumerate(idx):
+                p, n = len(seqs[i].prompt_ids), len(seqs[i].completion_ids)
+                out[i] = lp[row, :n] if shared else lp[row, p - 1:p - 1 + n]
         return out

@@ -165,3 +165,36 @@ def test_nan_rewards_raise():
     g = Group(np.array([[np.nan, 1.0]], np.float32), [[cand, cand]], [()], np.zeros(1), "1")
     with pytest.raises(ValueError, match="NaN|nan|finite"):
         examples_from_groups([g], advantage="grpo")
+
+
+def test_shared_prompt_update_equals_unshared():
+    """share_prompts runs a prompt once per (prompt, active set) and continues every candidate
+    from its KV cache; the update must equal running each candidate's whole sequence."""
+    from morse_jax.rl.batch import SequenceExample
+
+    bb = _backbone()
+    spec = ExpertBankSpec(n_adapt=2)
+    rng = np.random.default_rng(0)
+    seqs = []
+    for g in range(2):  # two routes x four candidates, each route its own prompt and expert set
+        prompt = rng.integers(1, CFG.vocab_size, 6 + g).tolist()
+        ids, ws = zip(*execute_set(spec, [g, g + 1]))
+        for m in range(4):
+            seqs.append(SequenceExample(prompt, rng.integers(1, CFG.vocab_size, 5 + m).tolist(),
+                                        (-rng.random(5 + m)).astype(np.float32), ids, ws, float(rng.normal())))
+    results = []
+    for share in (True, False):
+        tcfg = TrainConfig(micro_batch=8, length_buckets=(32,), share_prompts=share)
+        trainable = init_trainable(jax.random.key(3), CFG, spec, tcfg)
+        trainable["bank"]["b"] = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(4), x.shape),
+                                              trainable["bank"]["b"])
+        trainer = Trainer(CFG, bb.params, spec, tcfg)
+        lps = trainer.logprobs(trainable["bank"], seqs)  # before the update: it donates the trainable
+        new, _, m = trainer.update(trainable, trainer.init_opt_state(trainable), seqs, [], num_groups=2)
+        results.append((new, m, lps))
+    (new_s, m_s, lp_s), (new_u, m_u, lp_u) = results
+    for a, b in zip(lp_s, lp_u):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(m_s["token_nll"], m_u["token_nll"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(new_s), jax.tree.leaves(new_u)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

@@ -59,6 +59,17 @@ def build_tiny_torch_model(family: str, seed: int = 0, **overrides):
     return perturb_(model, seed)
 
 
+def torch_logits(model, tokens, valid):
+    """transformers logits float32[B, T, V] of a left-padded batch (positions count real tokens)."""
+    import torch
+
+    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid.astype(np.int64)),
+                    position_ids=torch.tensor(positions))
+    return out.logits.float().numpy()
+
+
 def perturb_(model, seed: int):
     """Noise on norms, biases and layer scalars, in place (returns the model): their defaults
     (ones / zeros) would hide a norm with the wrong offset, a dropped bias or a missing scalar."""

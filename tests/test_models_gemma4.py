@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import perturb_
+from conftest import perturb_, torch_logits
 from safetensors.numpy import save_file
 
 from morse_jax.models import (Backbone, ModelConfig, RopeSpec, forward, from_hf_config, init_cache, init_params,
@@ -84,14 +84,6 @@ def padded_batch(vocab, seed=0):
     rng = np.random.default_rng(seed)
     valid = np.arange(T)[None, :] >= (T - np.asarray(LENGTHS))[:, None]
     return np.where(valid, rng.integers(0, vocab, (len(LENGTHS), T)), 0), valid
-
-
-def torch_logits(model, tokens, valid):
-    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid.astype(np.int64)),
-                    position_ids=torch.tensor(positions))
-    return out.logits.float().numpy()
 
 
 def assert_close(ours, ref, what="", rtol=1e-4):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import torch_logits
 from transformers import AutoModelForCausalLM
 
 from morse_jax.models import forward, load_backbone
@@ -34,14 +35,6 @@ def padded_batch(vocab: int, seed: int = 0):
     valid = np.arange(T)[None, :] >= (T - np.asarray(LENGTHS))[:, None]
     tokens = np.where(valid, tokens, 0)
     return tokens, valid
-
-
-def torch_logits(model, tokens, valid):
-    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid.astype(np.int64)),
-                    position_ids=torch.tensor(positions))
-    return out.logits.float().numpy()
 
 
 def assert_parity(ours, ref, valid, rtol=1e-4):

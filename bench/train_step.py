@@ -77,6 +77,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -106,6 +107,9 @@ def parse_args(argv=None):
                          "every position (model(...).logits, as a plain PEFT loop does), 'generated' = over the "
                          "completion positions only (hidden states gathered first; what TRL's logits_to_keep buys)")
     ap.add_argument("--ours-only", action="store_true")
+    ap.add_argument("--no-recompute", action="store_true",
+                    help="skip 'ours:recompute' (the update running all layers instead of starting from the "
+                         "sampler's prefix states)")
     args = ap.parse_args(argv)
     lo, hi = (int(x) for x in args.prompt.split(","))
     args.torch_logits = [v for v in args.torch_logits.split(",") if v]
@@ -167,6 +171,31 @@ def with_behaviour(seqs, logps, rng):
 
     return [dataclasses.replace(s, behaviour_logprobs=(lp + rng.normal(0, 0.1, lp.shape)).astype(np.float32))
             for s, lp in zip(seqs, logps)]
+
+
+def with_prefix_states(trainer, seqs, rows: int = 8):
+    """Each sequence's residual stream entering the first adapted layer: what the sampler returns
+    (``SamplerConfig.return_prefix_states``; equal to this forward within 1e-5, see
+    tests/test_prefix_states.py), computed here because the bench's completions are not sampled."""
+    import dataclasses
+
+    import jax
+
+    from morse_jax.models.transformer import forward
+
+    cfg, start = trainer.model_cfg, trainer.start_layer
+    prefix = jax.jit(lambda p, t, v: forward(p, cfg, t, valid=v, stop_layer=start)[0])
+    out = []
+    for i in range(0, len(seqs), rows):
+        chunk = seqs[i:i + rows]
+        L = max(len(s.prompt_ids) + len(s.completion_ids) for s in chunk)
+        tokens, valid = np.zeros((len(chunk), L), np.int32), np.zeros((len(chunk), L), bool)
+        for r, s in enumerate(chunk):
+            n = len(s.prompt_ids) + len(s.completion_ids)
+            tokens[r, :n], valid[r, :n] = list(s.prompt_ids) + list(s.completion_ids), True
+        states = np.asarray(prefix(trainer.frozen, tokens, valid))
+        out += [dataclasses.replace(s, prefix_states=states[r, :int(valid[r].sum())]) for r, s in enumerate(chunk)]
+    return out
 
 
 # --------------------------------------------------------------------------- transformers
@@ -276,10 +305,17 @@ def main(argv=None) -> int:
     seqs, routes, groups = build_examples(bb, spec, args, rng)
     (logps, t_lp) = timed(lambda: trainer.logprobs(trainable["bank"], seqs))
     seqs = with_behaviour(seqs, logps, rng)
+    (seqs, t_states) = timed(lambda: with_prefix_states(trainer, seqs))
+    recompute = None
+    if not args.no_recompute:  # the same update running the whole model (reuse_prefix_states=False)
+        recompute = Trainer(bb.config, bb.params, spec, dataclasses.replace(tcfg, reuse_prefix_states=False))
+        trainable_rc = jax.tree.map(jax.numpy.copy, trainable)
+        opt_state_rc = recompute.init_opt_state(trainable_rc)
     n_gen = sum(len(s.completion_ids) for s in seqs)
     print(f"# ours: loaded in {t_load:.1f} s; {len(seqs)} sequences x {args.seq} tokens ({n_gen} generated), "
           f"{len(routes)} routes, micro-batch {tcfg.micro_batch}; behaviour log-probs (compile + forward) "
-          f"{t_lp:.1f} s", flush=True)
+          f"{t_lp:.1f} s; prefix states (layers 0..{trainer.start_layer - 1}, what the sampler returns "
+          f"with return_prefix_states) {t_states:.1f} s, not timed", flush=True)
 
     theirs, batches = None, None
     if not args.ours_only:
@@ -296,6 +332,12 @@ def main(argv=None) -> int:
         jax.block_until_ready(trainable)
         return m
 
+    def run_recompute():
+        nonlocal trainable_rc, opt_state_rc
+        trainable_rc, opt_state_rc, m = recompute.update(trainable_rc, opt_state_rc, seqs, routes, num_groups=groups)
+        jax.block_until_ready(trainable_rc)
+        return m
+
     def clock(fn):
         t, c = time.perf_counter(), time.process_time()
         out = fn()
@@ -307,7 +349,11 @@ def main(argv=None) -> int:
     m0, first, _ = clock(run_ours)
     compile_total = sum(compile_s)
     compiles = trainer.compile_count
-    sides = ["ours"] + ([f"torch:{v}" for v in args.torch_logits] if theirs is not None else [])
+    if recompute is not None:
+        clock(run_recompute)
+        compiles_rc = recompute.compile_count
+    sides = ["ours"] + (["ours:recompute"] if recompute is not None else [])
+    sides += [f"torch:{v}" for v in args.torch_logits] if theirs is not None else []
     wall = {k: [] for k in sides}
     cpu = {k: [] for k in sides}
     m_th = {}
@@ -315,6 +361,8 @@ def main(argv=None) -> int:
         for side in sides:
             if side == "ours":
                 _, w, c = clock(run_ours)
+            elif side == "ours:recompute":
+                _, w, c = clock(run_recompute)
             else:
                 m_th[side], w, c = clock(lambda: theirs.step(batches, side.split(":")[1]))
             wall[side].append(w)
@@ -323,6 +371,7 @@ def main(argv=None) -> int:
               + f"; load {os.getloadavg()[0]:.1f}", flush=True)
     med = statistics.median
     assert trainer.compile_count == compiles, "the timed updates recompiled"
+    assert recompute is None or recompute.compile_count == compiles_rc, "the timed updates recompiled"
     print(f"# ours: first update {first:.1f} s, of which compiling {compile_total:.1f} s "
           f"({compiles} jitted functions); token nll {m0['token_nll']:.3f}, lora loss {m0['lora_loss']:.3f}, "
           f"clip fraction {m0['clip_fraction']:.3f}, |trainer - behaviour logp| mean {m0['logp_gap_mean']:.3f}")

@@ -88,6 +88,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.kl_beta = 0.0
     c.train.approx_set_logp = False  # the authors' sum-of-log-probs router likelihood
     c.train.micro_batch = 4
+    # the sampler hands the update each sequence's residual stream entering the first adapted layer
+    # and the update starts there (the frozen prefix is not run twice); costs d values per token
+    # of host memory until the update (SamplerConfig.return_prefix_states)
+    c.train.reuse_prefix_states = True
     c.train.min_std = 5e-4
     c.train.clip_advantage = 5.0
     c.train.checkpoint_every = 1

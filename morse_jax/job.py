@@ -61,7 +61,8 @@ def train_config(cfg) -> TrainConfig:
                        max_grad_norm=t.max_grad_norm or None, ppo_eps=t.ppo_eps, alpha_pi=t.alpha_pi,
                        entropy_weight=t.entropy_weight, orthogonality_weight=t.orthogonality_weight,
                        kl_beta=t.kl_beta, approx_set_logp=t.approx_set_logp, router_k=cfg.mole.top_k,
-                       micro_batch=t.micro_batch, max_active=1 + cfg.mole.num_subtask)
+                       micro_batch=t.micro_batch, max_active=1 + cfg.mole.num_subtask,
+                       reuse_prefix_states=t.reuse_prefix_states)
 
 
 class Job:
@@ -96,9 +97,13 @@ class Job:
         if self.spec is not None:
             self.trainable = self._place(init_trainable(k_init, self.backbone.config, self.spec, self.tcfg, dtype))
         max_active = 1 + (self.spec.num_subtask if self.spec is not None else 0)
+        # prefix states only matter to updates, and only where a frozen prefix exists
+        states = bool(cfg.mode == "train" and self.trains and self.tcfg.reuse_prefix_states and self.spec is not None
+                      and self.spec.n_adapt < self.backbone.config.num_layers)
         self.sampler = Sampler(self.backbone, self.spec,
                                SamplerConfig(max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk,
-                                             max_active=max(max_active, 1)), mesh=self.mesh)
+                                             max_active=max(max_active, 1), return_prefix_states=states),
+                               mesh=self.mesh)
         self._trainer = None
         self.stop_ids = stop_token_ids(self.backbone.tokenizer, self.backbone.config.eos_token_ids)
         if self.mesh is None:

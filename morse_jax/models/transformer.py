@@ -478,13 +478,15 @@ def _run_segment(cfg, seg, layer_ids, x, attn, seg_cache, lora, ple=None, shared
     return x, (None if nc is None else {"k": nc[0], "v": nc[1]}), used
 
 
-def init_cache(cfg: ModelConfig, params: Params, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+def init_cache(cfg: ModelConfig, params: Params, batch: int, max_len: int, dtype=jnp.float32, *,
+               start_layer: int = 0) -> dict:
     """An empty KV cache whose per-segment layout mirrors ``params["layers"]``.
 
     Returns {"layers": per segment {"k","v": [L_s, B, S, K, D]} (or a tuple of per-layer dicts
     for unrolled segments), "valid": bool[B, S], "index": int32[] next write slot}. K and D are
     the segment's own (Gemma 4 full-attention layers differ); KV-shared layers hold no cache
-    (None: they read another layer's).
+    (None: they read another layer's), nor do the segments before ``start_layer`` (for
+    ``forward(start_layer=...)``, which skips them).
     """
     def kv_shape(lp):  # per-layer [B, S, K, D], or None for a KV-shared layer
         if "k" not in lp:
@@ -492,10 +494,13 @@ def init_cache(cfg: ModelConfig, params: Params, batch: int, max_len: int, dtype
         D = lp["q"]["kernel"].shape[-1] // cfg.num_heads
         return (batch, max_len, lp["k"]["kernel"].shape[-1] // D, D)
 
-    segs = []
+    segs, offset = [], 0
     for seg in params["layers"]:
         n = _segment_len(seg)
-        if isinstance(seg, (tuple, list)):
+        offset += n
+        if offset <= start_layer:
+            segs.append(None)
+        elif isinstance(seg, (tuple, list)):
             shapes = [kv_shape(lp) for lp in seg]
             segs.append(tuple(None if sh is None else {"k": jnp.zeros(sh, dtype), "v": jnp.zeros(sh, dtype)}
                               for sh in shapes))
@@ -530,6 +535,9 @@ def forward(
     cache: dict | None = None,
     lora: LoraInputs | None = None,
     logits_mode: str = "all",
+    start_layer: int = 0,
+    hidden: jax.Array | None = None,
+    stop_layer: int | None = None,
 ):
     """Decoder forward pass.
 
@@ -544,6 +552,12 @@ def forward(
         segment must lie entirely inside or outside them (:func:`split_segments`).
       logits_mode: "all" -> [B, T, V]; "last" -> [B, V] at the last position; "hidden" -> final
         normed hidden states [B, T, d] (no LM head).
+      start_layer, hidden: run layers start_layer.. only, from ``hidden`` [B, T, d], the residual
+        stream entering that layer (what ``stop_layer=start_layer`` returns, or the sampler's
+        ``prefix_states``). A segment boundary must lie there (:func:`split_segments`); the cache
+        entries of the skipped layers are passed through untouched (may be None).
+      stop_layer: return the residual stream entering this layer [B, T, d] (no final norm, no
+        head) instead of logits.
 
     Returns:
       (logits float32, new_cache or None).
@@ -558,6 +572,7 @@ def forward(
         if cache is not None:  # continue from the tokens already cached
             positions = positions + jnp.sum(cache["valid"], axis=1, keepdims=True)
     dtype = params["embed"].dtype
+    _check_layer_range(cfg, start_layer, hidden, stop_layer, (B, T))
 
     x = jnp.take(params["embed"], tokens, axis=0)
     if cfg.embed_scale:
@@ -565,6 +580,8 @@ def forward(
     ple = None
     if cfg.per_layer_input_size:
         ple = jnp.moveaxis(per_layer_inputs(params, cfg, tokens, x), 2, 0)  # [L, B, T, p]
+    if start_layer:
+        x = hidden.astype(dtype)
 
     q_idx = jnp.arange(T)
     if cache is None:
@@ -598,6 +615,13 @@ def forward(
         n = _segment_len(seg)
         idx = range(offset, offset + n)
         unrolled = isinstance(seg, (tuple, list))
+        if offset < start_layer or (stop_layer is not None and offset >= stop_layer):
+            if offset < start_layer < offset + n or (stop_layer is not None and offset < stop_layer < offset + n):
+                raise ValueError(f"layers {offset}..{offset + n - 1} form one stacked segment; start_layer / "
+                                 f"stop_layer must lie on a segment boundary (split_segments)")
+            new_segs.append(None if cache is None else cache["layers"][si])
+            offset += n
+            continue
         seg_lora = _segment_lora(lora, offset, n, first_lora, n_lora, unrolled)
         seg_cache = None if cache is None else cache["layers"][si]
         seg_ple = None if ple is None else (ple[offset:offset + n] if not unrolled else [ple[i] for i in idx])
@@ -617,6 +641,8 @@ def forward(
     if cache is not None:
         new_cache = {"layers": tuple(new_segs), "valid": key_valid, "index": write_index + T}
 
+    if stop_layer is not None:
+        return x, new_cache
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     if logits_mode == "hidden":
         return x, new_cache
@@ -629,6 +655,22 @@ def forward(
     if cfg.final_logit_softcap:
         logits = jnp.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
     return logits, new_cache
+
+
+def _check_layer_range(cfg: ModelConfig, start: int, hidden, stop: int | None, bt: tuple[int, int]) -> None:
+    if not 0 <= start < cfg.num_layers:
+        raise ValueError(f"start_layer={start} outside [0, {cfg.num_layers})")
+    if (hidden is not None) != (start > 0):
+        raise ValueError("hidden (the residual stream entering start_layer) is needed exactly when start_layer > 0")
+    if hidden is not None:
+        chex.assert_shape(hidden, (*bt, cfg.hidden_size))
+    if stop is not None and not start < stop <= cfg.num_layers:
+        raise ValueError(f"stop_layer={stop} must lie in ({start}, {cfg.num_layers}]")
+    # a KV-shared layer attends to its producer's keys/values, which a skipped producer never made
+    for i in range(start, cfg.num_layers if stop is None else stop):
+        if cfg.kv_sharing_modes[i] == "reuse" and cfg.kv_producer(i) < start:
+            raise ValueError(f"start_layer={start}: layer {i} reuses the keys/values of layer "
+                             f"{cfg.kv_producer(i)}, which would not run")
 
 
 def _segment_lora(lora, offset, n, first_lora, n_lora, unrolled):

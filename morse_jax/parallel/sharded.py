@@ -177,6 +177,8 @@ def sampler_functions(sampler, mesh: Mesh):
         in_sh = (p_sh, _like(rep, bank), row(tokens, None), row(valid, None), row(ids, None), row(weights, None), rep)
         out_sh = (activation_sharding(mesh, ("batch", None), (B, cfg.vocab_size), cfg),
                   cache_shardings(mesh, cache, cfg), rep)
+        if sampler.capture_layer is not None:  # prefix states [B, P, d]
+            out_sh += (activation_sharding(mesh, ("batch", None, None), (*shape_of(tokens), cfg.hidden_size), cfg),)
         return in_sh, out_sh
 
     def state_shardings(state):
@@ -184,6 +186,8 @@ def sampler_functions(sampler, mesh: Mesh):
         out = {k: _like(rep, v) for k, v in state.items() if k in host_read}
         out["logits"] = row(state["logits"], None)
         out["cache"] = cache_shardings(mesh, state["cache"], cfg)
+        if "states" in state:
+            out["states"] = row(state["states"], None, None)
         missing = set(state) - set(out)
         if missing:
             raise ValueError(f"sampler state has unexpected entries {sorted(missing)}")
@@ -231,7 +235,7 @@ def trainer_functions(trainer, mesh: Mesh):
         return tuple(_like(rep, a) for a in args), rep
 
     def logprobs_impl(frozen, bank, batch):
-        return sequence_logprobs(frozen, cfg, trainer.spec, bank, batch)
+        return sequence_logprobs(frozen, cfg, trainer.spec, bank, batch, start_layer=trainer.start_layer)
 
     def logprobs_shardings(args, static):
         _, bank, batch = args

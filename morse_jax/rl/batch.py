@@ -29,6 +29,9 @@ class SequenceExample:
     expert_ids: Sequence[int]
     expert_weights: Sequence[float]
     advantage: float
+    # the sampler's residual stream entering the first adapted layer at every prompt and
+    # completion position, [len(prompt_ids) + len(completion_ids), d], or None (recompute it)
+    prefix_states: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +100,8 @@ def examples_from_groups(groups: Sequence[Any], *, advantage: str = "hgrpo", des
                     continue  # no gradient signal; skip the compute
                 seqs.append(SequenceExample(list(c.prompt_ids), list(c.token_ids),
                                             np.asarray(c.logprobs, np.float32), list(c.expert_ids),
-                                            list(c.expert_weights), float(within[b, m])))
+                                            list(c.expert_weights), float(within[b, m]),
+                                            getattr(c, "prefix_states", None)))
         if getattr(g, "routes", None) and len(g.routes) == rewards.shape[0] and g.routes[0]:
             if description_ids is None:
                 raise ValueError("examples_from_groups: description_ids is required for groups with routes")
@@ -125,8 +129,8 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buckets: Sequence[int],
-                  max_active: int, scale: float = 1.0,
-                  completion_buckets: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+                  max_active: int, scale: float = 1.0, completion_buckets: Sequence[int] | None = None,
+                  with_states: bool = False) -> dict[str, np.ndarray]:
     """Right-padded teacher-forcing batch.
 
     Position t predicts token t+1; ``target_mask[n, t]`` is 1 where token t+1 was generated.
@@ -136,6 +140,7 @@ def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buck
     With ``completion_buckets`` also logit_index int32[R, C] (each row's generated positions,
     then repeats of its last one) and logit_mask f32[R, C] (1 on real entries), C the bucket of
     the longest completion, at most L: the LM head then runs at those positions only.
+    With ``with_states``: states [R, L, d], every example's ``prefix_states`` (zeros at padding).
     """
     if len(examples) > rows:
         raise ValueError(f"{len(examples)} examples do not fit in {rows} rows")
@@ -162,6 +167,8 @@ def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buck
         out["advantages"][i] = e.advantage * scale
         out["expert_ids"][i, :len(e.expert_ids)] = e.expert_ids
         out["expert_weights"][i, :len(e.expert_weights)] = e.expert_weights
+    if with_states:
+        out["states"] = _stack_states(examples, rows, L, lambda e: (0, e.prefix_states))
     if completion_buckets is not None:
         C = min(L, _bucket(max([len(e.completion_ids) for e in examples] + [1]), completion_buckets))
         out["logit_index"] = np.zeros((rows, C), np.int32)
@@ -189,7 +196,7 @@ def group_order(examples: Sequence[SequenceExample]) -> list[int]:
 
 
 def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Sequence[int], max_active: int,
-               scale: float = 1.0) -> dict[str, np.ndarray]:
+               scale: float = 1.0, with_states: bool = False) -> dict[str, np.ndarray]:
     """Prompt-sharing batch: each distinct (prompt, active set) is one prompt row, run once; every
     candidate row holds only its completion and attends to its prompt row's keys and values.
 
@@ -203,6 +210,8 @@ def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Seque
     expert_ids int32[R, A], expert_weights f32[R, A]. P is the power of two >= the number of
     distinct prompts (at most ``rows``); Lp and Lc are ``buckets`` of the longest prompt and
     completion. Padding prompt rows repeat row 0; padding candidate rows have zero mask.
+    With ``with_states``: prompt_states [P, Lp, d] (left-padded like the prompts) and states
+    [R, Lc, d] (the completion positions), from the examples' ``prefix_states``.
     """
     if len(examples) > rows:
         raise ValueError(f"{len(examples)} examples do not fit in {rows} rows")
@@ -247,6 +256,27 @@ def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Seque
         out["advantages"][i] = e.advantage * scale
         out["expert_ids"][i] = out["prompt_expert_ids"][j]
         out["expert_weights"][i] = out["prompt_expert_weights"][j]
+    if with_states:
+        ps = _stack_states(uniq, P, Lp, lambda e: (Lp - len(e.prompt_ids), e.prefix_states[:len(e.prompt_ids)]))
+        ps[len(uniq):] = ps[0]
+        out["prompt_states"] = ps
+        out["states"] = _stack_states(examples, rows, Lc, lambda e: (0, e.prefix_states[len(e.prompt_ids):]))
+    return out
+
+
+def _stack_states(examples: Sequence[SequenceExample], rows: int, length: int, part) -> np.ndarray:
+    """[rows, length, d] with ``part(e) = (start, states)`` of each example placed at ``start``."""
+    for i, e in enumerate(examples):
+        n = len(e.prompt_ids) + len(e.completion_ids)
+        st = e.prefix_states
+        if st is None or np.ndim(st) != 2 or len(st) != n:
+            raise ValueError(f"example {i}: prefix_states must be [{n}, d] (prompt + completion positions), "
+                             f"got {None if st is None else np.shape(st)}")
+    first = np.asarray(examples[0].prefix_states)
+    out = np.zeros((rows, length, first.shape[1]), first.dtype)
+    for i, e in enumerate(examples):
+        start, st = part(e)
+        out[i, start:start + len(st)] = st
     return out
 
 

@@ -12,7 +12,11 @@ Micro-batches of sequences are accumulated on the host (gradients are sums, so e
 Cost (see bench/train_step.py): only the last L_adapt layers are differentiated (the frozen
 prefix has no tangents, so XLA neither transposes it nor keeps its activations); the LM head runs
 at generated positions only, as logit[target] - logsumexp; candidates sharing a prompt and active
-set run that prompt once (``share_prompts``: the M candidates of an HGRPO route).
+set run that prompt once (``share_prompts``: the M candidates of an HGRPO route); and when the
+examples carry the sampler's ``prefix_states`` (the residual stream entering the first adapted
+layer, ``SamplerConfig.return_prefix_states``) the update starts there: the frozen, expert-free
+layers before it give the same states under any experts, so they are not run again
+(``reuse_prefix_states``).
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ class TrainConfig:
     # completion_buckets separately
     share_prompts: bool = True
     max_active: int = 4
+    # start at the first adapted layer from the sampler's prefix_states when every example of an
+    # update carries them (SamplerConfig.return_prefix_states); otherwise run the whole model
+    reuse_prefix_states: bool = True
 
     def __post_init__(self):
         for name in ("lora_lr", "router_lr", "micro_batch", "router_k", "router_dim"):
@@ -97,20 +104,26 @@ def init_trainable(key: jax.Array, model_cfg: ModelConfig, spec: ExpertBankSpec,
     return trainable
 
 
-def sequence_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, bank, batch) -> jax.Array:
+def sequence_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, bank, batch, *,
+                      start_layer: int = 0) -> jax.Array:
     """log p(target) at every position under the given experts: float32[R, L] (0 where masked).
+
+    With ``batch["states"]`` (``with_states`` padding) the layers before ``start_layer`` (the
+    first adapted one) are not run: the states are the residual stream entering it.
 
     With ``batch["logit_index"]`` (int32[R, C], each row's generated positions, from
     ``pad_sequences``) the LM head runs at those R*C positions only (with 200-token prompts,
     half of R*L). A prompt-sharing batch (``pad_shared``) goes to :func:`shared_logprobs` and
     gives float32[R, Lc], entry j for completion token j.
     """
+    start, states = _restart(batch, "states", start_layer)
     if "prompt_tokens" in batch:
-        return shared_logprobs(frozen, model_cfg, spec, bank, batch)
+        return shared_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer)
     lora = None
     if spec is not None and bank is not None:
         lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"])
-    hidden, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], lora=lora, logits_mode="hidden")
+    hidden, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], lora=lora, logits_mode="hidden",
+                        start_layer=start, hidden=states)
     if "logit_index" not in batch:
         return token_logprobs(frozen, model_cfg, hidden, batch["targets"]) * batch["target_mask"]
     idx = batch["logit_index"]
@@ -122,7 +135,17 @@ def sequence_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | Non
     return out * batch["target_mask"]
 
 
-def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, bank, batch) -> jax.Array:
+def _restart(batch, name: str, start_layer: int):
+    """(start layer, states) for ``forward``: (start_layer, batch[name]) if the batch has states."""
+    if name not in batch:
+        return 0, None
+    if start_layer <= 0:
+        raise ValueError(f"the batch has {name} but start_layer={start_layer}: pass the first adapted layer")
+    return start_layer, batch[name]
+
+
+def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, bank, batch, *,
+                    start_layer: int = 0) -> jax.Array:
     """Completion log-probs for a prompt-sharing batch (``rl.batch.pad_shared``): float32[R, Lc],
     entry j the log-prob of completion token j (0 where masked).
 
@@ -133,10 +156,11 @@ def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None,
     use = spec is not None and bank is not None
     P, Lp = batch["prompt_tokens"].shape
     Lc = batch["tokens"].shape[1]
-    cache = init_cache(model_cfg, frozen, P, Lp, frozen["embed"].dtype)
+    start, prompt_states = _restart(batch, "prompt_states", start_layer)
+    cache = init_cache(model_cfg, frozen, P, Lp, frozen["embed"].dtype, start_layer=start)
     lora = gather_lora(bank, spec, batch["prompt_expert_ids"], batch["prompt_expert_weights"]) if use else None
     h_prompt, cache = forward(frozen, model_cfg, batch["prompt_tokens"], valid=batch["prompt_valid"], cache=cache,
-                              lora=lora, logits_mode="hidden")
+                              lora=lora, logits_mode="hidden", start_layer=start, hidden=prompt_states)
     rows = batch["prompt_row"]
 
     def widen(x):  # each candidate's copy of its prompt's cache, with Lc free slots after the prompt
@@ -147,7 +171,7 @@ def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None,
              "valid": jnp.pad(cache["valid"][rows], ((0, 0), (0, Lc))), "index": cache["index"]}
     lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"]) if use else None
     h_comp, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], cache=cache, lora=lora,
-                        logits_mode="hidden")
+                        logits_mode="hidden", start_layer=start, hidden=_restart(batch, "states", start_layer)[1])
     # completion token 0 is predicted at the prompt's last slot, token j at completion slot j-1
     hidden = jnp.concatenate([h_prompt[rows, -1][:, None], h_comp[:, :-1]], axis=1)
     return token_logprobs(frozen, model_cfg, hidden, batch["tokens"]) * batch["target_mask"]
@@ -180,10 +204,12 @@ class Trainer:
         self.frozen = split_segments(frozen_params, spec.n_adapt)
         self.tx = make_optimizer(cfg)
         self.compile_count = 0
+        self.start_layer = model_cfg.num_layers - spec.n_adapt  # where prefix_states enter
         self._lora_grad = jax.jit(self._lora_grad_impl)
         self._router_grad = jax.jit(self._router_grad_impl, static_argnames=("reinforce",))
         self._apply = jax.jit(self._apply_impl, donate_argnums=(0, 1))
-        self._logprobs = jax.jit(functools.partial(sequence_logprobs, model_cfg=model_cfg, spec=spec))
+        self._logprobs = jax.jit(functools.partial(sequence_logprobs, model_cfg=model_cfg, spec=spec,
+                                                   start_layer=self.start_layer))
         self.mesh = mesh
         if mesh is not None:  # frozen params and batches sharded, trainable replicated (morse_jax.parallel)
             from morse_jax.parallel.sharded import trainer_functions
@@ -196,12 +222,13 @@ class Trainer:
         self.compile_count += 1
 
         def loss_fn(bank):
-            new_logp = sequence_logprobs(frozen, self.model_cfg, self.spec, bank, batch)
+            new_logp = sequence_logprobs(frozen, self.model_cfg, self.spec, bank, batch, start_layer=self.start_layer)
             mask = batch["target_mask"]
             loss, m = losses.ppo_clip_token_loss(new_logp, batch["old_logp"], mask, batch["advantages"],
                                                  eps=self.cfg.ppo_eps, eps_high=self.cfg.ppo_eps_high)
             if self.cfg.kl_beta > 0:  # base = same backbone with experts off: no extra weights copy
-                base = jax.lax.stop_gradient(sequence_logprobs(frozen, self.model_cfg, None, None, batch))
+                base = jax.lax.stop_gradient(sequence_logprobs(frozen, self.model_cfg, None, None, batch,
+                                                               start_layer=self.start_layer))
                 kl = losses.kl_to_base(new_logp, base, mask)
                 loss = loss + self.cfg.kl_beta * kl
                 m = {**m, "kl_to_base": kl}
@@ -258,8 +285,9 @@ class Trainer:
         scale = 1.0 / max(num_groups, 1)
         grads, metrics, parts = None, {}, []
         shared, chunks = self._micro_batches(seqs)
+        states = self._use_states(seqs)
         for idx in chunks:
-            batch = self._pad([seqs[i] for i in idx], shared, scale)
+            batch = self._pad([seqs[i] for i in idx], shared, scale, states)
             g, m = self._lora_grad(trainable, self.frozen, batch)
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
             parts.append(m)
@@ -315,20 +343,27 @@ class Trainer:
             chunks[-1].extend(run)
         return True, chunks
 
-    def _pad(self, chunk: Sequence[SequenceExample], shared: bool, scale: float = 1.0) -> dict[str, np.ndarray]:
+    def _use_states(self, seqs: Sequence[SequenceExample]) -> bool:
+        """Restart at the first adapted layer: decided once per update (one layout, one compile)."""
+        return (self.cfg.reuse_prefix_states and self.start_layer > 0 and bool(seqs)
+                and all(e.prefix_states is not None for e in seqs))
+
+    def _pad(self, chunk: Sequence[SequenceExample], shared: bool, scale: float = 1.0,
+             states: bool = False) -> dict[str, np.ndarray]:
         c = self.cfg
         if shared:
             return pad_shared(chunk, rows=c.micro_batch, buckets=c.completion_buckets or c.length_buckets,
-                              max_active=c.max_active, scale=scale)
+                              max_active=c.max_active, scale=scale, with_states=states)
         return pad_sequences(chunk, rows=c.micro_batch, length_buckets=c.length_buckets, max_active=c.max_active,
-                             scale=scale, completion_buckets=c.completion_buckets)
+                             scale=scale, completion_buckets=c.completion_buckets, with_states=states)
 
     def logprobs(self, bank, seqs: Sequence[SequenceExample]) -> list[np.ndarray]:
         """Per-example completion log-probs under ``bank`` (for checks against the sampler)."""
         out: list[np.ndarray | None] = [None] * len(seqs)
         shared, chunks = self._micro_batches(seqs)
+        states = self._use_states(seqs)
         for idx in chunks:
-            batch = self._pad([seqs[i] for i in idx], shared)
+            batch = self._pad([seqs[i] for i in idx], shared, states=states)
             lp = np.asarray(self._logprobs(self.frozen, bank=bank, batch=batch))
             for row, i in enumerate(idx):
                 p, n = len(seqs[i].prompt_ids), len(seqs[i].completion_ids)

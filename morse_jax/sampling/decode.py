@@ -335,7 +335,7 @@ def _proj_rows(x, lp, name, layer_lora, sizes=None):
 
 def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Array, positions: jax.Array,
                    cache: dict, lora: tuple[dict, ...] | None, rope: tuple | None = None, *,
-                   last_only: bool = True):
+                   last_only: bool = True, capture_layer: int | None = None):
     """Forward ``T`` new tokens per row through the cache (the prefill); written at ``cache["index"]``.
 
     Args:
@@ -345,8 +345,10 @@ def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arr
         ``gather_lora``'s output (the last ``len(lora)`` layers are adapted), or None.
       rope: :func:`rope_tables_for` the cache length, or None (computed here).
       last_only: logits at the last position only ([B, V]) instead of [B, T, V].
+      capture_layer: also return the residual stream entering this layer, [B, T, d] (the
+        trainer restarts there: ``forward(start_layer=..., hidden=...)``).
     Returns:
-      (float32 logits, new cache).
+      (float32 logits, new cache), plus the captured residual with ``capture_layer``.
     """
     B, T = tokens.shape
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
@@ -361,8 +363,10 @@ def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arr
     rope_full, rope_slide = _rope_rows(cfg, rope, positions, cache["valid"].shape[1], dtype)
     first_adapted = cfg.num_layers - (len(lora) if lora is not None else 0)
     act = _activation(cfg.activation)
-    new_k, new_v = [], []
+    new_k, new_v, captured = [], [], None
     for i, lp in enumerate(dp["layers"]):
+        if i == capture_layer:
+            captured = x
         sliding = bool(cfg.sliding_flags[i])
         H, K, D, sizes, producer = _layer_dims(cfg, i)
         layer_lora = lora[i - first_adapted] if lora is not None and i >= first_adapted else None
@@ -402,7 +406,8 @@ def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arr
         x = x[:, -1]
     x = rms_norm(x, dp["final_norm"], eps, off)
     logits = _logits(cfg, jnp.einsum("...d,vd->...v", x, dp["head"]))
-    return logits, {"k": tuple(new_k), "v": tuple(new_v), "valid": key_valid, "index": idx + T}
+    new_cache = {"k": tuple(new_k), "v": tuple(new_v), "valid": key_valid, "index": idx + T}
+    return (logits, new_cache) if capture_layer is None else (logits, new_cache, captured)
 
 
 def _layer_dims(cfg: ModelConfig, i: int):
@@ -443,16 +448,18 @@ def _proj_cols(xT, lp, name, layer_lora, sizes=None):
 
 
 def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array, positions: jax.Array,
-                cache: dict, lora: tuple[dict, ...] | None, rope: tuple | None = None):
+                cache: dict, lora: tuple[dict, ...] | None, rope: tuple | None = None, *,
+                capture_layer: int | None = None):
     """One new token per row (the decode step), activations kept as [features, B].
 
     Args:
       tokens: int32[B]. active: bool[B] (False: a finished or padding row; its token is written
         as invalid and never attended to). positions: int32[B]. cache, lora: as
         :func:`forward_cached`. rope: :func:`rope_tables_for` the cache length (computed here
-        when None; pass it from outside a decode loop).
+        when None; pass it from outside a decode loop). capture_layer: as :func:`forward_cached`
+        (the captured residual is [B, d]).
     Returns:
-      (float32 logits [B, V], new cache).
+      (float32 logits [B, V], new cache), plus the captured residual with ``capture_layer``.
     """
     B = tokens.shape[0]
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
@@ -468,8 +475,10 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
     rope_full, rope_slide = _rope_rows(cfg, rope, positions[:, None], cache["valid"].shape[1], dtype)
     first_adapted = cfg.num_layers - (len(lora) if lora is not None else 0)
     act = _activation(cfg.activation)
-    new_k, new_v = [], []
+    new_k, new_v, captured = [], [], None
     for i, lp in enumerate(dp["layers"]):
+        if i == capture_layer:
+            captured = xT.T
         sliding = bool(cfg.sliding_flags[i])
         H, K, D, sizes, producer = _layer_dims(cfg, i)
         layer_lora = lora[i - first_adapted] if lora is not None and i >= first_adapted else None
@@ -509,4 +518,5 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
     # The barrier keeps XLA from folding the transpose into the dot ("h @ E^T"), which it then ran
     # as a naive loop: 95 ms at batch 4 instead of ~6 ms.
     logits = _logits(cfg, jax.lax.optimization_barrier(dp["head"] @ hT).T)
-    return logits, {"k": tuple(new_k), "v": tuple(new_v), "valid": key_valid, "index": idx + 1}
+    new_cache = {"k": tuple(new_k), "v": tuple(new_v), "valid": key_valid, "index": idx + 1}
+    return (logits, new_cache) if capture_layer is None else (logits, new_cache, captured)

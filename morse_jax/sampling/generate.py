@@ -87,6 +87,9 @@ class Completion:
     logprobs: np.ndarray
     finish_reason: str
     prompt_len: int
+    # with SamplerConfig.return_prefix_states: the residual stream entering the first adapted
+    # layer at every prompt and generated position, [prompt_len + len(token_ids), d] (model dtype)
+    prefix_states: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,11 @@ class SamplerConfig:
     # all experts with per-row weights, or "auto" (onehot while E <= rows * max_active).
     lora_compose: str = "auto"
     prefill_rows: int = 512  # prompt tokens per prefill chunk, summed over the batch (see Sampler._chunk)
+    # Also return each completion's residual stream entering the first adapted layer
+    # (Completion.prefix_states): the layers before it are frozen and expert-free, so the trainer
+    # can restart there instead of recomputing them (rl.train_step, TrainConfig.reuse_prefix_states).
+    # Costs d floats per position on the host. "fused" decode path only.
+    return_prefix_states: bool = False
 
     def __post_init__(self):
         for name in ("batch_buckets", "prompt_buckets", "new_token_buckets"):
@@ -123,6 +131,8 @@ class SamplerConfig:
             raise ValueError(f"sampler.decode_path must be one of {DECODE_PATHS}, got {self.decode_path!r}")
         if self.max_batch > max(self.batch_buckets):
             raise ValueError(f"sampler.max_batch={self.max_batch} exceeds the largest batch bucket")
+        if self.return_prefix_states and self.decode_path != "fused":
+            raise ValueError("sampler.return_prefix_states needs sampler.decode_path='fused'")
 
 
 def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
@@ -145,6 +155,13 @@ class Sampler:
         self.backbone, self.spec, self.config = backbone, spec, config
         self.cfg = backbone.config
         self._n_adapt = spec.n_adapt if spec is not None else 0
+        # layer whose input the sampler returns (Completion.prefix_states), or None
+        self.capture_layer = None
+        if config.return_prefix_states:
+            if not 0 < self._n_adapt < self.cfg.num_layers:
+                raise ValueError("sampler.return_prefix_states: needs an expert bank that leaves a frozen prefix "
+                                 f"(0 < n_adapt < {self.cfg.num_layers} layers), got n_adapt={self._n_adapt}")
+            self.capture_layer = self.cfg.num_layers - self._n_adapt
         if config.decode_path == "fused":
             self._params = decode_params(backbone.params, self.cfg)
         else:  # per-layer (unrolled) params: per-layer caches update in place; a scanned stack copies
@@ -174,16 +191,19 @@ class Sampler:
         return prepare_lora(lora) if self.config.decode_path == "fused" else lora
 
     def _forward(self, params, tokens, valid, positions, cache, lora, rope=None):
-        """Logits at the last new position [B, V] and the updated cache."""
+        """Logits at the last new position [B, V] and the updated cache (and, with
+        ``capture_layer``, the residual entering it [B, T, d])."""
         if self.config.decode_path == "fused":
-            return forward_cached(params, self.cfg, tokens, valid, positions, cache, lora, rope)
+            return forward_cached(params, self.cfg, tokens, valid, positions, cache, lora, rope,
+                                  capture_layer=self.capture_layer)
         return forward(params, self.cfg, tokens, positions=positions, valid=valid, cache=cache, lora=lora,
                        logits_mode="last")
 
     def _step(self, params, tokens, active, positions, cache, lora, rope):
-        """One token per row: logits [B, V] and the updated cache."""
+        """One token per row: logits [B, V] and the updated cache (and the captured residual [B, d])."""
         if self.config.decode_path == "fused":
-            return decode_step(params, self.cfg, tokens, active, positions, cache, lora, rope)
+            return decode_step(params, self.cfg, tokens, active, positions, cache, lora, rope,
+                               capture_layer=self.capture_layer)
         return self._forward(params, tokens[:, None], active[:, None], positions[:, None], cache, lora)
 
     def _chunk(self, batch: int, prompt_bucket: int) -> int:
@@ -211,11 +231,16 @@ class Sampler:
             def part(a):
                 return jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
 
-            return self._forward(params, part(tokens), part(valid), part(positions), carry[1], lora, rope)
+            out = self._forward(params, part(tokens), part(valid), part(positions), carry[1], lora, rope)
+            if self.capture_layer is None:
+                return out
+            return out[0], out[1], jax.lax.dynamic_update_slice_in_dim(carry[2], out[2], i * chunk, axis=1)
 
-        logits = jnp.zeros((B, self.cfg.vocab_size), jnp.float32)
-        logits, cache = jax.lax.fori_loop(0, n_chunks, body, (logits, cache))
-        return logits, cache, jnp.sum(valid, axis=1, dtype=jnp.int32)
+        carry = (jnp.zeros((B, self.cfg.vocab_size), jnp.float32), cache)
+        if self.capture_layer is not None:
+            carry += (jnp.zeros((*tokens.shape, self.cfg.hidden_size), params["embed"].dtype),)
+        carry = jax.lax.fori_loop(0, n_chunks, body, carry)
+        return (*carry[:2], jnp.sum(valid, axis=1, dtype=jnp.int32), *carry[2:])
 
     def _decode_impl(self, params, bank, state, ids, weights, settings, stop_end):
         """Run decode steps until ``stop_end`` steps are done or every row is done."""
@@ -241,9 +266,10 @@ class Sampler:
             hit_len = (n_gen >= max_new) & active
             reason = jnp.where(hit_stop, 1, jnp.where(hit_len, 3, s["reason"]))
             done = s["done"] | hit_stop | hit_len
-            logits, cache = self._step(params, tok, active, s["pos"], s["cache"], lora, rope)
+            out = self._step(params, tok, active, s["pos"], s["cache"], lora, rope)
+            extra = {} if self.capture_layer is None else {"states": s["states"].at[:, s["step"]].set(out[2])}
             return dict(s, key=key, tokens=tokens, logps=logps, n_gen=n_gen, reason=reason, done=done,
-                        logits=logits, cache=cache, pos=s["pos"] + active, step=s["step"] + 1)
+                        logits=out[0], cache=out[1], pos=s["pos"] + active, step=s["step"] + 1, **extra)
 
         return jax.lax.while_loop(cond, body, state)
 
@@ -261,6 +287,8 @@ class Sampler:
         state = dict(key=jax.eval_shape(lambda: jax.random.PRNGKey(0)), logits=sds((B, self.cfg.vocab_size), f32),
                      cache=cache, pos=sds((B,), i32), step=sds((), i32), tokens=sds((B, N), i32),
                      logps=sds((B, N), f32), n_gen=sds((B,), i32), reason=sds((B,), i32), done=sds((B,), bool))
+        if self.capture_layer is not None:
+            state["states"] = sds((B, N, self.cfg.hidden_size), self._params["embed"].dtype)
         slots = (B, self.config.max_active)
         settings = (sds((B,), f32), sds((B,), i32), sds((B,), f32), sds((B,), i32), sds((B, MAX_STOP_IDS), i32))
         return self._decode.lower(self._params, bank if self.spec is not None else None, state, sds(slots, i32),
@@ -335,13 +363,15 @@ class Sampler:
         bank_arg = bank if self.spec is not None else None
 
         t0 = time.perf_counter()
-        logits, cache, pos = self._prefill(self._params, bank_arg, tokens, valid, ids, weights,
-                                           np.int32(P_pad // chunk), cache_len=P + N, chunk=chunk)
+        logits, cache, pos, *prompt_states = self._prefill(self._params, bank_arg, tokens, valid, ids, weights,
+                                                           np.int32(P_pad // chunk), cache_len=P + N, chunk=chunk)
         logits.block_until_ready()  # only to split the timing; decode cannot start before anyway
         t1 = time.perf_counter()
         state = dict(key=key, logits=logits, cache=cache, pos=pos, step=jnp.zeros((), jnp.int32),
                      tokens=jnp.zeros((B, N), jnp.int32), logps=jnp.zeros((B, N), jnp.float32),
                      n_gen=jnp.zeros(B, jnp.int32), reason=jnp.zeros(B, jnp.int32), done=jnp.asarray(done))
+        if self.capture_layer is not None:
+            state["states"] = jnp.zeros((B, N, self.cfg.hidden_size), prompt_states[0].dtype)
         settings = (jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(max_new),
                     jnp.asarray(stop_ids))
         has_strings = any(r.stop_strings for r in reqs)
@@ -379,6 +409,8 @@ class Sampler:
         logps = np.asarray(state["logps"])
         n_gen = np.asarray(state["n_gen"])
         reason = np.asarray(state["reason"])
+        if self.capture_layer is not None:
+            prompt_states, gen_states = np.asarray(prompt_states[0]), np.asarray(state["states"])
         out = []
         for i, r in enumerate(reqs):
             k = int(n_gen[i]) if stop_at[i] < 0 else int(stop_at[i])
@@ -389,7 +421,10 @@ class Sampler:
                 text = _cut_text(text, r.stop_strings)
             else:
                 finish = {1: "eos", 3: "length"}.get(int(reason[i]), "length")
-            out.append(Completion(ids_i, text, logps[i, :k].copy(), finish, len(r.prompt_ids)))
+            states = None
+            if self.capture_layer is not None:
+                states = np.concatenate([prompt_states[i, P_pad - len(r.prompt_ids):P_pad], gen_states[i, :k]])
+            out.append(Completion(ids_i, text, logps[i, :k].copy(), finish, len(r.prompt_ids), states))
         return out
 
 

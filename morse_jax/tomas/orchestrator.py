@@ -452,7 +452,8 @@ class Orchestrator:
                     comp, (_, art, _) = comps[j], jobs[j]
                     row.append(Candidate(c.prompt_ids, list(comp.token_ids), np.asarray(comp.logprobs, np.float32),
                                          tuple(e for e, _ in active), tuple(w for _, w in active), comp.text, art,
-                                         results[j], comp.finish_reason))
+                                         results[j], comp.finish_reason,
+                                         getattr(comp, "prefix_states", None) if cfg.mode == "train" else None))
                 grid.append(row)
             if cfg.mode == "train":
                 groups.append(RolloutGroup.build(c.ts.task.task_id, c.node.id, c.role, c.attempt,

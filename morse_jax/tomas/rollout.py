@@ -84,6 +84,9 @@ class Candidate:
     artifact: str
     result: VerifyResult
     finish_reason: str = ""
+    # the sampler's residual stream entering the first adapted layer (Completion.prefix_states),
+    # kept for the update in train mode; None otherwise
+    prefix_states: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def reward(self) -> float:

@@ -226,6 +226,37 @@ def test_lora_factors_too_narrow_for_a_layer_are_rejected():
                        params)
 
 
+@pytest.mark.parametrize("case,n_adapt", [("dense-31b-like", 2), ("ple-kvshared-untied", 4)])
+def test_exported_expert_applied_by_peft_gives_our_logits(case, n_adapt, tmp_path):
+    """export_peft cuts each layer's factors to its own projection and leaves out the ones the
+    layer lacks (v on k = v layers, k / v on KV-shared layers); PEFT then reproduces our logits."""
+    from peft import PeftModel
+
+    from morse_jax.mole.experts import export_peft, init_expert_bank
+
+    model = build_hf(tmp_path / "base", **CASES[case])
+    bb = load(tmp_path / "base")
+    cfg = bb.config
+    spec = ExpertBankSpec(num_subtask=2, rank=4, alpha=8.0, n_adapt=n_adapt, targets=("q", "k", "v", "o", "down"))
+    bank = init_expert_bank(jax.random.PRNGKey(1), cfg, spec)
+    rng = np.random.default_rng(2)
+    bank["b"] = {t: jnp.asarray(0.5 * rng.standard_normal(b.shape), jnp.float32) for t, b in bank["b"].items()}
+    expert = spec.subtask_id(1)
+    out = export_peft(bank, spec, cfg, expert, tmp_path / "adapter")
+
+    tokens, valid = padded_batch(cfg.vocab_size)
+    ids, weights = pad_active([[(expert, 1.0)]] * len(tokens), 1)
+    params = split_segments(bb.params, n_adapt)
+    ours, _ = _forward(params, cfg, jnp.asarray(tokens, jnp.int32), valid=jnp.asarray(valid),
+                       lora=gather_lora(bank, spec, ids, weights))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_base = torch_logits(model, tokens, valid)
+        hf_lora = torch_logits(PeftModel.from_pretrained(model, str(out)).eval(), tokens, valid)
+    assert_close(np.asarray(ours)[valid], hf_lora[valid], case)
+    assert np.abs(hf_lora - hf_base)[valid].max() > 1e-2 * np.abs(hf_base).max()  # the adapter does work
+
+
 # --------------------------------------------------------------------------- full-size shapes
 
 # google/gemma-4-31B-it text_config (config.json values).

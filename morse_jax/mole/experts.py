@@ -217,8 +217,12 @@ def export_peft(bank: dict, spec: ExpertBankSpec, cfg: ModelConfig, expert: int,
     """Write one expert as an HF-PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors).
 
     The adapter reproduces our forward with only that expert active at weight 1
-    (PEFT scales by lora_alpha / r, as we do).
+    (PEFT scales by lora_alpha / r, as we do). Factors are cut to each layer's projection (banks
+    are sized for the widest layer, see ``ModelConfig.target_dims``), and projections a layer does
+    not use are left out (Gemma 4: no v on k = v layers, no k / v on KV-shared layers).
     """
+    from morse_jax.models.transformer import layer_shapes
+
     from safetensors.numpy import save_file
 
     if not 0 <= expert < spec.num_experts:
@@ -231,9 +235,13 @@ def export_peft(bank: dict, spec: ExpertBankSpec, cfg: ModelConfig, expert: int,
         a = np.asarray(bank["a"][t][expert], np.float32)  # [L, d_in, r]
         b = np.asarray(bank["b"][t][expert], np.float32)  # [L, r, d_out]
         for l in range(spec.n_adapt):
+            shapes = layer_shapes(cfg, first + l)
+            if t not in shapes:
+                continue
+            d_in, d_out = shapes[t]["kernel"]
             base = f"base_model.model.model.layers.{first + l}.{HF_MODULES[t]}"
-            tensors[f"{base}.lora_A.weight"] = np.ascontiguousarray(a[l].T)  # [r, d_in]
-            tensors[f"{base}.lora_B.weight"] = np.ascontiguousarray(b[l].T)  # [d_out, r]
+            tensors[f"{base}.lora_A.weight"] = np.ascontiguousarray(a[l, :d_in].T)  # [r, d_in]
+            tensors[f"{base}.lora_B.weight"] = np.ascontiguousarray(b[l, :, :d_out].T)  # [d_out, r]
     save_file(tensors, str(out / "adapter_model.safetensors"))
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,

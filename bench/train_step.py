@@ -9,7 +9,14 @@ weight decay 0.01) after global-norm clipping at 1.0.
 
 Ours: ``morse_jax.rl.train_step.Trainer.update`` with the default bank (2 role + 4 subtask experts,
 rank 8, alpha 16, q/v/o of the last 8 layers), a different active set per route (role expert +
-2 subtask experts), plus the router loss over the 4 sampled routes (a few ms).
+2 subtask experts), plus the router loss over the 4 sampled routes (a few ms). As in a training
+run, each sequence carries the sampler's prefix states (the residual stream entering layer 22,
+the first adapted one; ``SamplerConfig.return_prefix_states``), so the update runs layers 22-29
+only. The bench computes those states with a forward through layers 0-21 before timing, because
+its completions are not sampled (the sampler's states equal that forward within 1e-5,
+tests/test_prefix_states.py; capturing them left the sampler's batch-16 decode rate unchanged,
+194.6 vs 199.7 tok/s, within noise). ``ours:recompute`` is the same update with
+``reuse_prefix_states=False`` (all 30 layers), timed alongside.
 transformers: the same GGUF loaded by transformers (``gguf_file=``), a PEFT LoRA (r=8, alpha=16,
 q_proj/v_proj/o_proj of the last 8 layers), forward + the same PPO-clip loss + backward through
 the LoRA + ``clip_grad_norm_`` + AdamW; each candidate as a whole prompt + completion row, same
@@ -25,10 +32,20 @@ compile of everything the first update builds, from jax.monitoring) is reported 
 never counted in the step time.
 
 Usage:  python bench/train_step.py [--reps 3] [--rows 16] [--seq 384] [--prompt 200,200]
-        [--distinct-prompts] [--micro-batch 8] [--ours-only] [--torch-logits all,generated]
-        [--train-config "dict(share_prompts=False)"]
+        [--distinct-prompts] [--micro-batch 8] [--ours-only] [--no-recompute]
+        [--torch-logits all,generated] [--train-config "dict(share_prompts=False)"]
 
-Measured on this machine (2 shared cores; other jobs kept the load at 2-5 during every run):
+Measured on this machine (2 shared cores), starting from the sampler's prefix states, load 1.2-2:
+
+                                ours          ours:recompute      torch:all          torch:generated
+  shared prompt (default)       9.6 s/17.3    14.7 s/26.9 1.53x   29.5 s/51.0 3.07x  22.4 s/40.3 2.33x
+  distinct prompts              16.0 s/28.1   -                   32.5 s/50.9 2.03x  22.6 s/39.9 1.41x
+  (wall median / process CPU s per step; ratio = theirs / ours by wall; CPU ratios 2.95x / 2.34x
+  and 1.81x / 1.42x.) The 2x target is met against the plain PEFT loop in both layouts and
+  against the TRL-style loop with the shared prompt of an HGRPO group (the bench's default,
+  what every update sees); with a distinct prompt per candidate the TRL-style loop is 1.4x.
+
+Before prefix states (whole model in the update; 2 shared cores, other jobs kept the load at 2-5):
 
                                       ours          torch:all           torch:generated
   shared prompt (default), load 2-3   13.5 s/25.2   25.0 s/45.3 1.86x   20.6 s/37.5 1.53x
@@ -63,9 +80,7 @@ Measured on this machine (2 shared cores; other jobs kept the load at 2-5 during
     residuals and their zero-initialised stacked buffers under the layer scan), the LM head ~25 %.
     The same update on a model cut to the last 8 layers takes 16-18 CPU-s vs 28-30 for all 30:
     starting the trainer at the adapter boundary from the layer-22 residual stream (which the
-    sampler computes anyway, with the same frozen weights) would reach ~2.6x vs torch:all and
-    ~2.1x vs torch:generated; it needs a forward entry point at a layer and the sampler to return
-    those hidden states (models/, sampling/, not done here).
+    sampler computes anyway, with the same frozen weights) -- now done, table above.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_si
                   num_kv_heads=2, head_dim=8)
 SPEC = ExpertBankSpec(num_subtask=4, rank=4, alpha=6.0, n_adapt=1)
 SAMPLER = SamplerConfig(batch_buckets=(4, 8), prompt_buckets=(16,), new_token_buckets=(8,), max_batch=8, max_active=3,
-                        prefill_rows=32)
+                        prefill_rows=32, return_prefix_states=True)
 TRAIN = TrainConfig(micro_batch=8, length_buckets=(16,), route_buckets=(8,), lora_lr=1e-2, router_lr=1e-2,
                     max_active=3)
 
@@ -43,6 +43,21 @@ def requests(n: int):
     rng = np.random.default_rng(0)
     return [Request(rng.integers(0, 64, 2 + i).tolist(), [i % 6, (i + 1) % 6], [0.5, 0.5], max_new_tokens=8,
                     temperature=0.0) for i in range(n)]
+
+
+def with_prefix_states(bb: Backbone, seqs):
+    """The examples with the residual stream entering the adapted layer (what the sampler returns)."""
+    import dataclasses
+
+    from morse_jax.models.transformer import forward, split_segments
+
+    params = split_segments(bb.params, SPEC.n_adapt)
+    out = []
+    for e in seqs:
+        tokens = np.asarray([list(e.prompt_ids) + list(e.completion_ids)], np.int32)
+        states = forward(params, CFG, tokens, stop_layer=CFG.num_layers - SPEC.n_adapt)[0]
+        out.append(dataclasses.replace(e, prefix_states=np.asarray(states)[0]))
+    return out
 
 
 def examples():

@@ -28,7 +28,8 @@ from morse_jax.models import logits  # noqa: E402
 from morse_jax.parallel import make_mesh, replicate, sharded_logits  # noqa: E402
 from morse_jax.rl.train_step import Trainer  # noqa: E402
 from morse_jax.sampling.generate import Sampler  # noqa: E402
-from parallel_common import CFG, SAMPLER, SPEC, TRAIN, backbone, examples, requests, trainable0  # noqa: E402
+from parallel_common import (CFG, SAMPLER, SPEC, TRAIN, backbone, examples, requests, trainable0,  # noqa: E402
+                             with_prefix_states)
 
 
 def run_logits(bb, mesh, tokens):
@@ -51,13 +52,15 @@ def run_sampler(bb, mesh, bank, sizes):
     return outs, info
 
 
-def run_update(bb, mesh):
+def run_update(bb, mesh, states=False):
     tr = Trainer(CFG, bb.params, SPEC, TRAIN, mesh=mesh)
     t = jax.tree.map(jnp.asarray, trainable0())
     if mesh is not None:
         t = replicate(mesh, t)
     opt = tr.init_opt_state(t)
     seqs, routes = examples()
+    if states:  # the update starts at the adapted layer from the examples' prefix states
+        seqs = with_prefix_states(bb, seqs)
     new, opt, metrics = tr.update(t, opt, seqs, routes, num_groups=3)
     info = None
     if mesh is not None:
@@ -68,7 +71,7 @@ def run_update(bb, mesh):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--meshes", nargs="+", default=["2,2,2"])
-    ap.add_argument("--parts", default="logits,sampler,update")
+    ap.add_argument("--parts", default="logits,sampler,update,update_states")
     ap.add_argument("--sampler-sizes", default="8", help="request counts per generate call, e.g. 8,3 "
                     "(3 rows: a batch bucket of 4 that the data axis of (8,1,1) does not divide)")
     args = ap.parse_args()
@@ -86,6 +89,8 @@ def main() -> int:
         ref["sampler"] = run_sampler(bb, None, bank, sizes)[0]
     if "update" in parts:
         ref["update"] = run_update(bb, None)
+    if "update_states" in parts:
+        ref["update_states"] = run_update(bb, None, states=True)
     result = {"devices": jax.device_count(), "reference_s": round(time.time() - t0, 1), "meshes": []}
     old = trainable0()
     for shape in meshes:
@@ -103,6 +108,7 @@ def main() -> int:
             r["sampler_tokens_equal"] = all(a.token_ids == b.token_ids for a, b in pairs)
             r["sampler_n_tokens"] = sum(len(a.token_ids) for a, _ in pairs)
             r["sampler_logprob_max_abs"] = max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in pairs)
+            r["sampler_states_max_abs"] = max(float(np.abs(a.prefix_states - b.prefix_states).max()) for a, b in pairs)
             r["specs"].update(info)
         if "update" in parts:
             new, metrics, info = run_update(bb, mesh)
@@ -113,6 +119,14 @@ def main() -> int:
             r["update_step_min_of_max"] = min(jax.tree.leaves(step))  # every leaf moved by about this much
             r["update_metrics"] = {k: [ref_metrics[k], metrics[k]] for k in ("lora_loss", "grad_norm", "router_loss")}
             r["specs"].update(info)
+        if "update_states" in parts:
+            new, metrics, _ = run_update(bb, mesh, states=True)
+            ref_new, ref_metrics, _ = ref["update_states"]
+            diff = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), ref_new, new)
+            r["update_states_param_max_abs"] = max(jax.tree.leaves(diff))
+            if "update" in parts:  # starting from the states equals running the whole model
+                whole = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), ref["update"][0], new)
+                r["update_states_vs_whole_max_abs"] = max(jax.tree.leaves(whole))
         r["seconds"] = round(time.time() - t0, 1)
         result["meshes"].append(r)
         print(f"mesh {shape} done in {r['seconds']}s", file=sys.stderr, flush=True)

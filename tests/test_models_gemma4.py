@@ -542,3 +542,25 @@ def test_sampler_greedy_matches_full_forward(decode_path):
         assert c.token_ids == want[r].tolist(), f"row {r} (prompt length {PROMPT_LENS[r]})"
         np.testing.assert_allclose(c.logprobs, want_lp[r], atol=1e-4)
     assert len({tuple(c.token_ids) for c in got}) > 1  # rows differ: the test can tell them apart
+
+
+def test_sharding_and_memory_plan_use_per_layer_kv_heads():
+    """31B: sliding layers have 16 kv heads of 256, full layers 4 of 512. Over 8 tensor shards
+    the sliding k projection splits by heads; the full one (4 heads) must not be cut mid-head
+    though its width (2048) divides; the KV-cache estimate counts each layer's own width."""
+    from morse_jax.parallel.memory import _ShapeMesh, memory_plan
+    from morse_jax.parallel.sharding import mesh_axes_for
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformers import Gemma4TextConfig
+
+        cfg = from_hf_config(Gemma4TextConfig(**GEMMA4_31B))
+    mesh = _ShapeMesh((1, 1, 8))
+    assert mesh_axes_for(mesh, "kv_heads", 16 * 256, cfg) == ("tensor",)
+    assert mesh_axes_for(mesh, "kv_heads", 4 * 512, cfg) is None
+    assert mesh_axes_for(mesh, "heads", 32 * 512, cfg) == ("tensor",)
+    S = 4096
+    plan = memory_plan(cfg, None, batch=1, cache_len=S, mesh_shape=(1, 1, 1), dtype="bfloat16", sample_batch=1)
+    per_token = 2 * 2 * (50 * 16 * 256 + 10 * 4 * 512)  # k and v, bf16, sliding + full layers
+    assert plan.kv_cache[(1, S)] == per_token * S

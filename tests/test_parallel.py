@@ -295,11 +295,14 @@ def _check_mesh(r):
     assert r["logits_max_abs"] < 2e-5 * max(r["logits_scale"], 1.0)
     assert r["sampler_tokens_equal"] and r["sampler_n_tokens"] > 0
     assert r["sampler_logprob_max_abs"] < 1e-4
+    assert r["sampler_states_max_abs"] < 1e-4
     # One AdamW step moves every leaf by ~lr (1e-2); the sharded step agrees to 0.1 % of that.
     assert r["update_step_min_of_max"] > 5e-3
     assert r["update_param_max_abs"] < 2e-5
     for name, (ref, got) in r["update_metrics"].items():
         assert got == pytest.approx(ref, rel=1e-4, abs=1e-5), name
+    assert r["update_states_param_max_abs"] < 2e-5
+    assert r["update_states_vs_whole_max_abs"] < 2e-5
 
 
 def test_sharded_equals_single_device_on_2x2x2():

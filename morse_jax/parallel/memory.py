@@ -190,8 +190,11 @@ def memory_plan(model_config: ModelConfig, spec: ExpertBankSpec | None, optimize
 
     kv = {}
     srows = sample_batch / (data * fsdp) if sample_batch % (data * fsdp) == 0 else float(sample_batch)
+    # per layer: its own kv heads and head dim (Gemma 4), none for KV-shared layers
+    kv_width = sum(_split(cfg.layer_kv_heads(i), tp) * cfg.layer_head_dim(i) for i in range(L)
+                   if cfg.kv_sharing_modes[i] != "reuse")
     for S in lens:
-        kv[(sample_batch, S)] = 2 * L * srows * S * kv_dev * D * b
+        kv[(sample_batch, S)] = 2 * srows * S * kv_width * b
     chunk_rows = prefill_rows / (data * fsdp)
     comp["sampling activations"] = chunk_rows * heads_dev * max(lens) * (4 + 4 + b) + srows * V * 4 * 2
     return MemoryPlan(name or cfg.family, mesh_shape, str(np.dtype(jax.numpy.dtype(dtype))), comp, kv, batch, T,

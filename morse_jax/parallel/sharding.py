@@ -71,15 +71,20 @@ def _name(k) -> str | int:
     return str(k)
 
 
-def _count_ok(logical: str, n_shards: int, cfg: ModelConfig | None) -> bool:
-    """Head-aligned sharding: with a config, head counts (not just widths) must divide."""
-    if cfg is None:
+def _count_ok(logical: str, n_shards: int, cfg: ModelConfig | None, size: int) -> bool:
+    """Head-aligned sharding: with a config, head counts (not just widths) must divide. Layers
+    may differ (Gemma 4: 16 kv heads of 256 on sliding layers, 4 of 512 on full ones), so the
+    count is that of every layer whose projection has this width."""
+    if cfg is None or logical not in ("heads", "kv_heads"):
         return True
-    if logical == "heads":
-        return cfg.num_heads % n_shards == 0
-    if logical == "kv_heads":
-        return cfg.num_kv_heads % n_shards == 0
-    return True
+    counts = set()
+    for i in range(cfg.num_layers):
+        n_heads = cfg.num_heads if logical == "heads" else cfg.layer_kv_heads(i)
+        if n_heads * cfg.layer_head_dim(i) == size:
+            counts.add(n_heads)
+    if not counts:  # a width no layer has: fall back to the model-wide count
+        counts.add(cfg.num_heads if logical == "heads" else cfg.num_kv_heads)
+    return all(c % n_shards == 0 for c in counts)
 
 
 def mesh_axes_for(mesh: Mesh, logical: str | None, size: int, cfg: ModelConfig | None = None,
@@ -99,7 +104,7 @@ def mesh_axes_for(mesh: Mesh, logical: str | None, size: int, cfg: ModelConfig |
         if not axes:
             continue
         n = math.prod(mesh.shape[a] for a in axes)
-        if size % n == 0 and _count_ok(logical, n, cfg):
+        if size % n == 0 and _count_ok(logical, n, cfg, size):
             return axes
     return None
 

@@ -120,9 +120,9 @@ def test_init_params_statistics(monkeypatch, one_draw):
     import numpy as np
 
     from morse_jax.models import ModelConfig, param_shapes
-    from morse_jax.models import transformer
+    from morse_jax.models import params as transformer_params
 
-    monkeypatch.setattr(transformer, "_FLAT_INIT_MAX", 1 << 40 if one_draw else 0)
+    monkeypatch.setattr(transformer_params, "_FLAT_INIT_MAX", 1 << 40 if one_draw else 0)
     cfg = ModelConfig(family="gemma3", vocab_size=64, hidden_size=32, intermediate_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16, activation="gelu_tanh", qk_norm=True,
                       norm_offset=1.0, embed_scale=True, post_norms=True)

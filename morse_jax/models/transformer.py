@@ -1,6 +1,6 @@
 """The decoder: one pure-function implementation for Llama, Qwen3, Gemma 3 and Gemma 4 (text).
 
-Params are a plain pytree (see :func:`param_shapes`). Layers are grouped into *segments*:
+Params are a plain pytree (see ``morse_jax.models.params.param_shapes``). Layers are grouped into *segments*:
 ``params["layers"]`` is a tuple of segments, each either
 
 * a dict of arrays stacked on a leading layer axis (run under ``jax.lax.scan``; the default), or
@@ -18,7 +18,6 @@ Shapes: B batch, T new tokens, S cache length, d hidden, H heads, K kv heads, D 
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import chex
@@ -27,6 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from morse_jax.models.config import ModelConfig
+from morse_jax.models.params import init_params, layer_shapes, param_shapes, segment_sizes  # noqa: F401 - re-exported
+from morse_jax.models.segments import segment_len as _segment_len
+from morse_jax.models.segments import split_segments, unstack_segments  # noqa: F401 - re-exported
 
 Params = dict[str, Any]
 NEG_INF = -0.7 * float(np.finfo(np.float32).max)  # finite: fully-masked (padding) rows stay NaN-free
@@ -48,235 +50,6 @@ class LoraInputs(NamedTuple):
 
 
 # --------------------------------------------------------------------------- parameters
-
-
-def layer_shapes(cfg: ModelConfig, i: int) -> Params:
-    """Parameter shapes of layer ``i`` alone (no leading layer axis)."""
-    d, f = cfg.hidden_size, cfg.layer_intermediate_size(i)
-    D = cfg.layer_head_dim(i)
-    qd, kvd = cfg.num_heads * D, cfg.layer_kv_heads(i) * D
-    reuse = cfg.kv_sharing_modes[i] == "reuse"
-
-    def lin(din, dout, bias):
-        p = {"kernel": (din, dout)}
-        if bias:
-            p["bias"] = (dout,)
-        return p
-
-    layer = {
-        "attn_norm": (d,),
-        "mlp_norm": (d,),
-        "q": lin(d, qd, cfg.attention_bias),
-        "o": lin(qd, d, cfg.attention_bias),
-        "gate": lin(d, f, cfg.mlp_bias),
-        "up": lin(d, f, cfg.mlp_bias),
-        "down": lin(f, d, cfg.mlp_bias),
-    }
-    if not reuse:  # KV-shared layers attend to another layer's keys and values
-        layer["k"] = lin(d, kvd, cfg.attention_bias)
-        if cfg.layer_has_v(i):
-            layer["v"] = lin(d, kvd, cfg.attention_bias)
-    if cfg.qk_norm:
-        layer["q_norm"] = (D,)
-        if not reuse:
-            layer["k_norm"] = (D,)
-    if cfg.post_norms:
-        layer["post_attn_norm"] = (d,)
-        layer["post_mlp_norm"] = (d,)
-    if cfg.per_layer_input_size:
-        p = cfg.per_layer_input_size
-        layer["ple_gate"] = lin(d, p, False)
-        layer["ple_out"] = lin(p, d, False)
-        layer["ple_post_norm"] = (d,)
-    if cfg.layer_scalar:
-        layer["layer_scalar"] = (1,)
-    return layer
-
-
-def segment_sizes(cfg: ModelConfig) -> list[int]:
-    """Lengths of the stacked segments of a freshly built param tree: maximal runs of
-    consecutive layers with identical shapes (one run for every family but Gemma 4)."""
-    sizes, prev = [], None
-    for i in range(cfg.num_layers):
-        key = (layer_shapes(cfg, i), cfg.layer_types[i] if cfg.kv_sharing_modes[i] == "reuse" else None)
-        if key == prev:
-            sizes[-1] += 1
-        else:
-            sizes.append(1)
-        prev = key
-    return sizes
-
-
-def param_shapes(cfg: ModelConfig) -> Params:
-    """Nested dict of parameter shapes, layers stacked on a leading axis.
-
-    ``"layers"`` holds one stacked segment per run of identically shaped layers
-    (:func:`segment_sizes`): one segment for every family but Gemma 4, whose full-attention
-    layers differ in shape from its sliding ones.
-    """
-    d = cfg.hidden_size
-    segs, start = [], 0
-    for n in segment_sizes(cfg):
-        one = layer_shapes(cfg, start)
-        segs.append(jax.tree.map(lambda s, n=n: (n, *s), one, is_leaf=_is_shape))
-        start += n
-    shapes = {"embed": (cfg.vocab_size, d), "layers": tuple(segs), "final_norm": (d,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head"] = (d, cfg.vocab_size)
-    if cfg.per_layer_input_size:
-        width = cfg.num_layers * cfg.per_layer_input_size
-        shapes["ple_embed"] = (cfg.per_layer_vocab_size, width)
-        shapes["ple_proj"] = (d, width)
-        shapes["ple_norm"] = (cfg.per_layer_input_size,)
-    return shapes
-
-
-def _is_shape(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
-
-
-_FLAT_INIT_MAX = 1 << 28  # elements; above this, one draw per leaf (no giant temporary, shards per leaf)
-
-
-def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32) -> Params:
-    """Random parameters (normal * 0.02; norms at an effective scale of 1). For tests and shapes.
-
-    Small models take one normal draw sliced into all weights: a separate threefry draw per leaf
-    made the jitted init of a 4-layer toy model take ~6 s to compile on CPU (one draw: <1 s).
-    Large ones draw per leaf, so no flat buffer of the whole model is ever materialised.
-    """
-    shapes = param_shapes(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)
-    names = [jax.tree_util.keystr(path) for path, _ in flat]
-    is_scalar = ["layer_scalar" in name for name in names]  # Gemma 4's per-layer output scale: 1
-    is_norm = ["norm" in name or sc for name, sc in zip(names, is_scalar)]
-    total = sum(math.prod(shape) for (_, shape), norm in zip(flat, is_norm) if not norm)
-    one_draw = total <= _FLAT_INIT_MAX
-    noise = 0.02 * jax.random.normal(key, (total,), jnp.float32) if one_draw else None
-    keys = None if one_draw else jax.random.split(key, len(flat))
-    out, offset = [], 0
-    for i, ((_, shape), norm) in enumerate(zip(flat, is_norm)):
-        if is_scalar[i]:
-            out.append(jnp.ones(shape, dtype))
-        elif norm:
-            out.append(jnp.full(shape, 1.0 - cfg.norm_offset, dtype))
-        elif one_draw:
-            n = math.prod(shape)
-            out.append(noise[offset:offset + n].reshape(shape).astype(dtype))
-            offset += n
-        else:
-            out.append((0.02 * jax.random.normal(keys[i], shape, jnp.float32)).astype(dtype))
-    return jax.tree.unflatten(treedef, out)
-
-
-def split_segments(params: Params, n_adapt: int) -> Params:
-    """Regroup layers so that the last ``n_adapt`` form their own (final) segment.
-
-    Layers of different shapes (Gemma 4) cannot share a stacked segment: there every maximal
-    run of identically shaped layers is a segment, and a run crossing the cut is split there, so
-    the last ``n_adapt`` layers span the final segment(s).
-    Works on host (numpy) or device arrays; idempotent when the split already holds.
-    """
-    layers = params["layers"]
-    if isinstance(layers, dict):  # tolerate an unwrapped single segment
-        layers = (layers,)
-    sizes = [_segment_len(s) for s in layers]
-    total = sum(sizes)
-    if not 0 <= n_adapt <= total:
-        raise ValueError(f"n_adapt must be in [0, {total}], got {n_adapt}")
-    blocks = _layer_blocks(layers)
-    if len({sig for sig, _ in blocks}) > 1:
-        return {**params, "layers": _split_heterogeneous(blocks, total - n_adapt)}
-    if n_adapt in (0, total):
-        want = [total]
-    else:
-        want = [total - n_adapt, n_adapt]
-    if sizes == want:
-        return params
-    merged = _concat_segments(layers)
-    cut = total - n_adapt
-    segs = (merged,) if len(want) == 1 else (
-        jax.tree.map(lambda a: a[:cut], merged), jax.tree.map(lambda a: a[cut:], merged))
-    return {**params, "layers": segs}
-
-
-def _signature(tree, stacked: bool):
-    """Tree structure and per-layer leaf shapes (without the layer axis when stacked)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple(tuple(x.shape[1:] if stacked else x.shape) for x in leaves)
-
-
-def _layer_blocks(segs) -> list[tuple[Any, Any]]:
-    """[(signature, stacked segment or per-layer dict)] in layer order (unrolled layers one by one)."""
-    blocks = []
-    for seg in segs:
-        if isinstance(seg, (tuple, list)):
-            blocks.extend((_signature(lp, False), lp) for lp in seg)
-        else:
-            blocks.append((_signature(seg, True), seg))
-    return blocks
-
-
-def _split_heterogeneous(blocks, cut: int) -> tuple:
-    """Stacked segments: runs of equal signature, split at layer ``cut``."""
-    runs: list[tuple[Any, list]] = []
-    for sig, b in blocks:
-        stacked = jax.tree.map(lambda a: a[None], b) if _is_layer(b) else b
-        if runs and runs[-1][0] == sig:
-            runs[-1][1].append(stacked)
-        else:
-            runs.append((sig, [stacked]))
-    out, start = [], 0
-    for _, parts in runs:
-        seg = parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: _cat(xs), *parts)
-        n = _segment_len(seg)
-        if start < cut < start + n:
-            out += [jax.tree.map(lambda a: a[:cut - start], seg), jax.tree.map(lambda a: a[cut - start:], seg)]
-        else:
-            out.append(seg)
-        start += n
-    return tuple(out)
-
-
-def _is_layer(b) -> bool:
-    """A per-layer dict (from an unrolled segment) rather than a stacked segment."""
-    return np.ndim(b["attn_norm"]) == 1
-
-
-def unstack_segments(params: Params) -> Params:
-    """Turn every stacked segment into a tuple of per-layer dicts (unrolled execution)."""
-    segs = []
-    for seg in params["layers"]:
-        if isinstance(seg, dict):
-            n = _segment_len(seg)
-            seg = tuple(jax.tree.map(lambda a, i=i: a[i], seg) for i in range(n))
-        segs.append(seg)
-    return {**params, "layers": tuple(segs)}
-
-
-def _segment_len(seg) -> int:
-    if isinstance(seg, (tuple, list)):
-        return len(seg)
-    return int(seg["attn_norm"].shape[0])
-
-
-def _concat_segments(segs):
-    stacked = []
-    for s in segs:
-        if isinstance(s, (tuple, list)):
-            s = jax.tree.map(lambda *xs: _stack(xs), *s)
-        stacked.append(s)
-    if len(stacked) == 1:
-        return stacked[0]
-    return jax.tree.map(lambda *xs: _cat(xs), *stacked)
-
-
-def _stack(xs):
-    return np.stack(xs) if isinstance(xs[0], np.ndarray) else jnp.stack(xs)
-
-
-def _cat(xs):
-    return np.concatenate(xs) if isinstance(xs[0], np.ndarray) else jnp.concatenate(xs)
 
 
 # --------------------------------------------------------------------------- building blocks

@@ -76,7 +76,9 @@ class Job:
         self.orch_variant, self.advantage, self.trains = VARIANTS[cfg.variant]
         t0 = time.time()
         dtype = jnp.dtype(cfg.model.dtype)
-        backbone = load_backbone(resolve_model_path(cfg.model.path), dtype)
+        # with several devices the weights stay on the host until they are sharded over the mesh
+        multi = jax.device_count() > 1
+        backbone = load_backbone(resolve_model_path(cfg.model.path), dtype, on_device=not multi)
         if backbone.tokenizer is None:
             raise ValueError(f"config.model.path: {cfg.model.path} has no tokenizer; the job needs one")
         log.info("backbone loaded in %.1fs", time.time() - t0)
@@ -86,7 +88,7 @@ class Job:
             backbone = dataclasses.replace(backbone, params=split_segments(backbone.params, self.spec.n_adapt))
         # One device: plain jit. Several (local or across processes): the configured mesh, backbone
         # sharded by the logical-axis rules, experts/router/optimizer replicated (morse_jax.parallel).
-        self.mesh = par.make_mesh(tuple(cfg.parallel.mesh)) if jax.device_count() > 1 else None
+        self.mesh = par.make_mesh(tuple(cfg.parallel.mesh)) if multi else None
         if self.mesh is not None:
             backbone = par.shard_backbone(self.mesh, backbone)
             log.info("mesh %s", par.describe(self.mesh))

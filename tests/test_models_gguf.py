@@ -134,6 +134,19 @@ def test_hf_directory_with_tokenizer_files(smollm2_backbone, tiny_hf_model):
     assert encode_chat(bb.tokenizer, PROMPTS[1]) == encode_chat(tok, PROMPTS[1])
 
 
+def test_load_on_host_keeps_numpy_arrays(tiny_hf_model):
+    """on_device=False (what the job does before sharding over a mesh) leaves every weight a host
+    array, with the values a device load gives."""
+    path, _ = tiny_hf_model("llama", num_hidden_layers=2)
+    host = load_backbone(path, tokenizer=False, on_device=False)
+    dev = load_backbone(path, tokenizer=False)
+    host_leaves, dev_leaves = jax.tree.leaves(host.params), jax.tree.leaves(dev.params)
+    assert all(isinstance(x, np.ndarray) for x in host_leaves)
+    assert all(isinstance(x, jax.Array) for x in dev_leaves)
+    for a, b in zip(host_leaves, dev_leaves):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
 def test_final_assistant_message_is_an_open_answer_prefix(smollm2_backbone):
     """A trailing assistant message renders unclosed after the generation prompt (planner prefix)."""
     tok = smollm2_backbone.tokenizer

@@ -319,13 +319,18 @@ def load_tokenizer(path: str | os.PathLike):
         raise WeightLoadError(f"{p}: tokenizer could not be loaded: {e}") from e
 
 
-def load_backbone(path: str | os.PathLike, dtype=jnp.float32, *, tokenizer: bool = True) -> Backbone:
+def load_backbone(path: str | os.PathLike, dtype=jnp.float32, *, tokenizer: bool = True,
+                  on_device: bool = True) -> Backbone:
     """Load a frozen backbone from an HF model directory or a ``.gguf`` file.
 
     Args:
       path: directory with config.json + *.safetensors (sharded or not), or a .gguf file.
       dtype: parameter dtype (float32 on CPU, bfloat16 on GPU).
       tokenizer: also load the tokenizer and chat template.
+      on_device: place the params on the default device; False keeps them as host (numpy)
+        arrays, for a caller that shards them over a mesh next
+        (``morse_jax.parallel.shard_backbone``): a model larger than one device's memory then
+        never has to fit on one.
     """
     p = Path(path).expanduser()
     if not p.exists():
@@ -336,7 +341,8 @@ def load_backbone(path: str | os.PathLike, dtype=jnp.float32, *, tokenizer: bool
         cfg, params = _load_hf_dir(p, dtype)
     else:
         raise WeightLoadError(f"{p}: expected an HF model directory or a .gguf file")
-    params = jax.tree.map(jnp.asarray, params)
+    if on_device:
+        params = jax.tree.map(jnp.asarray, params)
     tok = load_tokenizer(p) if tokenizer else None
     log.info("loaded %s: %s, %d layers, %.1fM params", p, cfg.family, cfg.num_layers,
              sum(x.size for x in jax.tree.leaves(params)) / 1e6)

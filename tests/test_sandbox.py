@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from morse_jax.tasks import sandbox
+from morse_jax.tasks import sandbox, sandbox_isolation
 from morse_jax.tasks.sandbox import Job, run_many, run_python
 
 # Expected here: the venv's interpreter (pyenv under a 0700 /root) cannot run under a dropped uid,
@@ -310,7 +310,8 @@ def test_fallback_drops_uid_and_limits_processes():
 
 
 def test_auto_mode_falls_back_with_one_warning(monkeypatch):
-    monkeypatch.setattr(sandbox, "_cache", {("bwrap", sys.executable): (False, "probe says no")})
+    # the probe cache lives where _cached reads it
+    monkeypatch.setattr(sandbox_isolation, "_cache", {("bwrap", sys.executable): (False, "probe says no")})
     with pytest.warns(RuntimeWarning, match="probe says no"):
         r = run_python("print(6 * 7)")
     assert r.ok and r.stdout == "42\n" and r.sandboxed_with == "rlimits"
@@ -354,8 +355,8 @@ def test_bad_arguments_rejected_with_field_name():
 
 
 def test_forced_bwrap_without_bwrap_raises(monkeypatch):
-    monkeypatch.setattr(sandbox, "_cache", {})
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sandbox_isolation, "_cache", {})
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="bwrap not found"):
         run_python("print(1)", mode="bwrap")
 

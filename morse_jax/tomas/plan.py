@@ -1,4 +1,4 @@
-"""Plan data types: a DAG of subtasks. Validation and repair live in ``planner.py``."""
+"""Plan data types: a DAG of subtasks. Validation and repair live in ``planner_validate.py`` (re-exported by ``planner.py``)."""
 
 from __future__ import annotations
 

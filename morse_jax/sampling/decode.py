@@ -220,18 +220,30 @@ def _attend(q, ck, cv, mask, cfg):
     Query rows are (t, g) pairs folded into one axis so both dots are plain batched matmuls over
     (b, k) with no degenerate axes: with a T axis between g and s, XLA swapped the P.V operands
     and fell back to a slow transposed-operand dot (1.4 ms per layer at batch 16).
+    A decode step (T = 1) on CPU computes both products as float32 multiply-reduce fusions: its dots
+    are [G, D] x [D, S] per (b, k), so small that per-dot overhead dominated (30 layers at batch
+    16: 23 -> 16 ms in isolation; the whole step 81-87 -> 77-81 ms, bench/sampler.py A/B).
     """
     B, T, H, D = q.shape
     K = cv.shape[0] // B
     G = H // K
     qx = jnp.swapaxes(q.reshape(B, T, K, G, D), 1, 2).reshape(B * K, T * G, D)
-    scores = jnp.einsum("nxd,nds->nxs", qx, ck).astype(jnp.float32) * cfg.scale
+    f32 = jnp.float32
+    reduce = T == 1 and jax.default_backend() == "cpu"  # GPUs/TPUs: matmul units, keep the dots
+    if reduce:
+        scores = jnp.sum(qx[:, :, :, None].astype(f32) * ck[:, None].astype(f32), axis=2) * cfg.scale
+    else:
+        scores = jnp.einsum("nxd,nds->nxs", qx, ck).astype(jnp.float32) * cfg.scale
     if cfg.attn_logit_softcap:
         scores = jnp.tanh(scores / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
     scores = scores.reshape(B, K, T, G, -1)
     scores = jnp.where(mask[:, None, :, None, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(B * K, T * G, -1)
-    out = jnp.einsum("nxs,nsd->nxd", probs, cv).reshape(B, K, T, G, D)
+    if reduce:
+        out = jnp.sum(probs[:, :, :, None].astype(f32) * cv[:, None].astype(f32), axis=2)
+        out = out.astype(q.dtype).reshape(B, K, T, G, D)
+    else:
+        out = jnp.einsum("nxs,nsd->nxd", probs, cv).reshape(B, K, T, G, D)
     return jnp.swapaxes(out, 1, 2).reshape(B, T, H * D)
 
 

@@ -30,6 +30,9 @@ Measured on this machine (2 shared AMD EPYC cores, AVX2, ~20-25 GB/s, 170-180 GF
     now, run A       36.9 vs 11.8 3.13x 98.5 vs 35.0 2.82x 182.3 vs 71.7 2.54x
     now, run B       33.3 vs 11.2 2.98x 86.8 vs 29.4 2.95x 176.4 vs 72.8 2.42x
     end-to-end (B)   28.6 vs 10.8 2.64x 61.4 vs 26.9 2.28x 103.0 vs 59.1 1.74x
+    after the attention change (2026-12-03, load 1.3-1.9):
+                     40.2 vs 14.0 2.87x 100.0 vs 36.7 2.73x 214.5 vs 82.7 2.59x
+    batch 16 alone:                                          225.2 vs 80.8 2.79x
     On a loaded machine (load 4-9) transformers drops far more than we do (per-step Python):
     batch 1 17.0 vs 2.1 tok/s end-to-end (7.9x).
 
@@ -55,7 +58,15 @@ Measured on this machine (2 shared AMD EPYC cores, AVX2, ~20-25 GB/s, 170-180 GF
       caches every step)                                            batch 1 (cache 384): 28 -> 26
     rotary cos/sin gathered from per-call tables (XLA re-evaluated them per
       element inside every layer)                                           -2 ms at batch 16
-  Final step at batch 16, cache 384 (profiler): weight matmuls 42 ms (gate/up 16-18, o+down
+  Decode attention as float32 multiply-reduce fusions instead of batched dots (CPU only; the
+    dots were [G, D] x [D, S] per (b, k), overhead-bound), A/B interleaved runs: 86.5 -> 81.4,
+    80.7 -> 76.8 ms/step at batch 16; batch 1 29.6 -> 27.6, batch 4 41.6 -> 41.0.
+  Profile after it (batch 16, cache 384, 71-78 ms/step): o + down dots 19.4 ms, gate/up 17.1,
+  scores reduce 13.3, LM head 8.3, qkv 6.2, P.V reduce 2.2, top-k 2.9, the rest ~5.
+  No gain (measured, kept out): keys stored [B*K, S, D] with the scores reduced over the minor
+  axis (82-93 vs 68-72 ms/step); attending over a smaller cache (256 vs 384 slots: 82.3 vs 81.2
+  ms/step, so a filled-blocks-only attention would not pay).
+  Earlier final step at batch 16, cache 384 (profiler): weight matmuls 42 ms (gate/up 16-18, o+down
   12-14, LM head 8, qkv 6; ~100 GFLOP/s, what XLA's CPU dot reaches at 16 columns), attention
   22-24 (scores 13-14, P.V 5.5-6, softmax reductions 3-4, cache writes 1.3), sampling ~5
   (top-k 2.6-2.9), the rest ~4. At batch 1 the weight gemvs take 21.7 ms = 538 MB at 25 GB/s,

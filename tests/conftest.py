@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import numpy as np
 import pytest
 
@@ -68,6 +69,17 @@ def torch_logits(model, tokens, valid):
         out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid.astype(np.int64)),
                     position_ids=torch.tensor(positions))
     return out.logits.float().numpy()
+
+
+def assert_same_update(a: tuple, b: tuple) -> None:
+    """Two (per-example log-probs, new trainable, metrics) results of ``Trainer.logprobs`` +
+    ``Trainer.update`` on the same examples agree (two code paths for the same maths)."""
+    (lp_a, new_a, m_a), (lp_b, new_b, m_b) = a, b
+    for x, y in zip(lp_a, lp_b):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    np.testing.assert_allclose(m_a["token_nll"], m_b["token_nll"], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(new_a), jax.tree.leaves(new_b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
 
 
 def perturb_(model, seed: int):

@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from conftest import assert_same_update
 
 from morse_jax.models import Backbone, ModelConfig, init_params
 from morse_jax.models.transformer import forward, split_segments
@@ -124,12 +125,7 @@ def test_update_from_prefix_states_equals_recomputing_them(share):
         params = jax.tree.map(np.array, trainable)  # update donates its input
         new, _, m = trainer.update(params, trainer.init_opt_state(params), seqs, [], num_groups=2)
         results.append((lps, new, m))
-    (lp_s, new_s, m_s), (lp_f, new_f, m_f) = results
-    for a, b in zip(lp_s, lp_f):
-        np.testing.assert_allclose(a, b, atol=1e-5)
-    np.testing.assert_allclose(m_s["token_nll"], m_f["token_nll"], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(new_s), jax.tree.leaves(new_f)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    assert_same_update(*results)
 
 
 def test_prefix_state_config_errors():

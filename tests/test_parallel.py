@@ -468,7 +468,10 @@ def test_two_process_quickstart_step_matches_single_process(tmp_path):
     r = subprocess.run(["bash", str(REPO / "launch" / "local_multiprocess.sh"), "-n", "2", "-d", "1", "-l", str(logs),
                         "--", *TINY_QUICKSTART, f"--config.workdir={tmp_path / 'mp'}",
                         f"--config.data.cache_dir={tmp_path / 'cache'}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=1800)
+                       cwd=REPO, capture_output=True, text=True, timeout=1800,
+                       # this interpreter's environment, venv activated or not
+                       env={**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent),
+                                                                   os.environ.get("PATH", "")])})
     assert r.returncode == 0, r.stderr[-4000:]
     multi = {**_checksums((logs / "process_0.log").read_text()), **_checksums((logs / "process_1.log").read_text())}
     assert set(multi) == {0, 1} and multi[0] == multi[1]

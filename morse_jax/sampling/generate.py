@@ -409,8 +409,10 @@ class Sampler:
         logps = np.asarray(state["logps"])
         n_gen = np.asarray(state["n_gen"])
         reason = np.asarray(state["reason"])
-        if self.capture_layer is not None:
-            prompt_states, gen_states = np.asarray(prompt_states[0]), np.asarray(state["states"])
+        if self.capture_layer is not None:  # row-sharded over the mesh: every process needs every row
+            from morse_jax.parallel.distributed import process_allgather
+
+            prompt_states, gen_states = process_allgather((prompt_states[0], state["states"]))
         out = []
         for i, r in enumerate(reqs):
             k = int(n_gen[i]) if stop_at[i] < 0 else int(stop_at[i])

@@ -116,9 +116,9 @@ def sequence_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | Non
     half of R*L). A prompt-sharing batch (``pad_shared``) goes to :func:`shared_logprobs` and
     gives float32[R, Lc], entry j for completion token j.
     """
-    start, states = _restart(batch, "states", start_layer)
     if "prompt_tokens" in batch:
         return shared_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer)
+    start, states = _restart(batch, "states", start_layer)
     lora = None
     if spec is not None and bank is not None:
         lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"])
@@ -157,6 +157,7 @@ def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None,
     P, Lp = batch["prompt_tokens"].shape
     Lc = batch["tokens"].shape[1]
     start, prompt_states = _restart(batch, "prompt_states", start_layer)
+    comp_states = batch["states"] if start else None  # pad_shared writes both or neither
     cache = init_cache(model_cfg, frozen, P, Lp, frozen["embed"].dtype, start_layer=start)
     lora = gather_lora(bank, spec, batch["prompt_expert_ids"], batch["prompt_expert_weights"]) if use else None
     h_prompt, cache = forward(frozen, model_cfg, batch["prompt_tokens"], valid=batch["prompt_valid"], cache=cache,
@@ -171,7 +172,7 @@ def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None,
              "valid": jnp.pad(cache["valid"][rows], ((0, 0), (0, Lc))), "index": cache["index"]}
     lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"]) if use else None
     h_comp, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], cache=cache, lora=lora,
-                        logits_mode="hidden", start_layer=start, hidden=_restart(batch, "states", start_layer)[1])
+                        logits_mode="hidden", start_layer=start, hidden=comp_states)
     # completion token 0 is predicted at the prompt's last slot, token j at completion slot j-1
     hidden = jnp.concatenate([h_prompt[rows, -1][:, None], h_comp[:, :-1]], axis=1)
     return token_logprobs(frozen, model_cfg, hidden, batch["tokens"]) * batch["target_mask"]

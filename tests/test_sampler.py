@@ -198,11 +198,15 @@ def test_expert_sets_take_effect_per_row(tiny):
         np.testing.assert_allclose(got_zero[r].logprobs, base[r].logprobs, rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize("variant", [dict(decode_path="model"), dict(lora_compose="gather", prefill_rows=512)])
+@pytest.mark.parametrize("variant", [dict(decode_path="model"), dict(lora_compose="gather", prefill_rows=512),
+                                     dict(cpu_kernels="off")])
 def test_alternative_paths_agree(tiny, variant):
-    """The backbone's own cached forward (decode_path="model") and per-row gathered LoRA (with
-    single-chunk prefill) give the default sampler's tokens and log-probs."""
+    """The backbone's own cached forward (decode_path="model"), per-row gathered LoRA (with
+    single-chunk prefill) and XLA's dots instead of the native CPU kernel give the default
+    sampler's tokens and log-probs."""
     bb, bank, sampler, _ = tiny["llama"]
+    if variant.get("cpu_kernels") == "off" and sampler.native_kernels != "on":
+        pytest.skip(f"native kernel not built here: {sampler.native_kernels}")
     ps = prompts(PROMPT_LENS, TINY["vocab_size"], seed=31)
     reqs = requests_for(ps, SETS, temperature=0.8, top_p=0.9, max_new_tokens=10)
     a = sampler.generate(bank, reqs, key=jax.random.PRNGKey(4))
@@ -483,9 +487,22 @@ def test_bad_config_names_the_field():
     for kw, field in [(dict(batch_buckets=(4, 2)), "batch_buckets"), (dict(prompt_buckets=()), "prompt_buckets"),
                       (dict(max_batch=64), "max_batch"), (dict(k_cap=0), "k_cap"), (dict(chunk=0), "chunk"),
                       (dict(decode_path="scan"), "decode_path"), (dict(lora_compose="merged"), "lora_compose"),
-                      (dict(prefill_rows=0), "prefill_rows")]:
+                      (dict(prefill_rows=0), "prefill_rows"), (dict(cpu_kernels="yes"), "cpu_kernels")]:
         with pytest.raises(ValueError, match=rf"sampler\.{field}"):
             SamplerConfig(**kw)
+
+
+def test_native_kernel_choice_says_why():
+    """cpu_kernels: "auto" falls back to XLA's dots where the kernel does not apply and says why;
+    "on" refuses instead; "off" never uses it."""
+    bb = tiny_backbone("llama")
+    half = Backbone(bb.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), bb.params), None)
+    assert Sampler(half, None, SMALL).native_kernels.startswith("off (bfloat16 weights")
+    with pytest.raises(ValueError, match="cpu_kernels='on'.*bfloat16"):
+        Sampler(half, None, dataclasses.replace(SMALL, cpu_kernels="on"))
+    model_path = Sampler(bb, None, dataclasses.replace(SMALL, decode_path="model"))
+    assert model_path.native_kernels.startswith("off (decode_path='model'") and model_path._matmul is None
+    assert Sampler(bb, None, dataclasses.replace(SMALL, cpu_kernels="off")).native_kernels.startswith("off")
 
 
 # --------------------------------------------------------------------------- SmolLM2

@@ -443,9 +443,9 @@ def _norm_cols(xT, w, eps, off):
     return (y * (off + w.astype(jnp.float32))[:, None]).astype(xT.dtype)
 
 
-def _proj_cols(xT, lp, name, layer_lora, sizes=None):
+def _proj_cols(xT, lp, name, layer_lora, sizes=None, matmul=jnp.matmul):
     """W @ xT [d_in, B] (+ bias, + LoRA); fused outputs split by ``sizes`` along axis 0."""
-    y = lp[name]["w"] @ xT
+    y = matmul(lp[name]["w"], xT)
     if "bias" in lp[name]:
         y = y + lp[name]["bias"][:, None]
     deltas = _lora_cols(xT, layer_lora, name, sizes)
@@ -461,7 +461,7 @@ def _proj_cols(xT, lp, name, layer_lora, sizes=None):
 
 def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array, positions: jax.Array,
                 cache: dict, lora: tuple[dict, ...] | None, rope: tuple | None = None, *,
-                capture_layer: int | None = None):
+                capture_layer: int | None = None, matmul=None):
     """One new token per row (the decode step), activations kept as [features, B].
 
     Args:
@@ -469,13 +469,17 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
         as invalid and never attended to). positions: int32[B]. cache, lora: as
         :func:`forward_cached`. rope: :func:`rope_tables_for` the cache length (computed here
         when None; pass it from outside a decode loop). capture_layer: as :func:`forward_cached`
-        (the captured residual is [B, d]).
+        (the captured residual is [B, d]). matmul: ``(w [N, K], x [K, B]) -> [N, B]`` for the
+        weight projections and the LM head (default ``jnp.matmul``; the sampler passes the native
+        CPU kernel, ``morse_jax.kernels.matmul_cols``, where it applies).
     Returns:
       (float32 logits [B, V], new cache), plus the captured residual with ``capture_layer``.
     """
     B = tokens.shape[0]
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     dtype = dp["embed"].dtype
+    native = matmul is not None
+    matmul = matmul or jnp.matmul
     x0 = jnp.take(dp["embed"], tokens, axis=0)  # [B, d]
     if cfg.embed_scale:
         x0 = x0 * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
@@ -495,7 +499,7 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
         H, K, D, sizes, producer = _layer_dims(cfg, i)
         layer_lora = lora[i - first_adapted] if lora is not None and i >= first_adapted else None
         hT = _norm_cols(xT, lp["attn_norm"], eps, off)
-        qkvT = _proj_cols(hT, lp, "qkv", layer_lora, sizes)
+        qkvT = _proj_cols(hT, lp, "qkv", layer_lora, sizes, matmul)
         q = qkvT[0].T.reshape(B, 1, H, D)
         if cfg.qk_norm:
             q = rms_norm(q, lp["q_norm"], eps, off)
@@ -510,25 +514,27 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
         new_k.append(None if producer is not None else ck)
         new_v.append(None if producer is not None else cv)
         out = _attend(q, ck.astype(dtype), cv.astype(dtype), mask_slide if sliding else mask_full, cfg)
-        outT = _proj_cols(out.reshape(B, H * D).T, lp, "o", layer_lora)
+        outT = _proj_cols(out.reshape(B, H * D).T, lp, "o", layer_lora, matmul=matmul)
         if cfg.post_norms:
             outT = _norm_cols(outT, lp["post_attn_norm"], eps, off)
         xT = xT + outT
         hT = _norm_cols(xT, lp["mlp_norm"], eps, off)
         f = cfg.layer_intermediate_size(i)
-        gate, up = _proj_cols(hT, lp, "gu", layer_lora, {"gate": f, "up": f})
-        outT = _proj_cols(act(gate) * up, lp, "down", layer_lora)
+        gate, up = _proj_cols(hT, lp, "gu", layer_lora, {"gate": f, "up": f}, matmul)
+        outT = _proj_cols(act(gate) * up, lp, "down", layer_lora, matmul=matmul)
         if cfg.post_norms:
             outT = _norm_cols(outT, lp["post_mlp_norm"], eps, off)
         xT = xT + outT
         if ple is not None:
-            gT = act(lp["ple_gate"]["w"] @ xT) * ple[:, i].T
-            xT = xT + _norm_cols(lp["ple_out"]["w"] @ gT, lp["ple_post_norm"], eps, off)
+            gT = act(matmul(lp["ple_gate"]["w"], xT)) * ple[:, i].T
+            xT = xT + _norm_cols(matmul(lp["ple_out"]["w"], gT), lp["ple_post_norm"], eps, off)
         if "layer_scalar" in lp:
             xT = xT * lp["layer_scalar"].astype(xT.dtype)[:, None]
     hT = _norm_cols(xT, dp["final_norm"], eps, off)
-    # The barrier keeps XLA from folding the transpose into the dot ("h @ E^T"), which it then ran
-    # as a naive loop: 95 ms at batch 4 instead of ~6 ms.
-    logits = _logits(cfg, jax.lax.optimization_barrier(dp["head"] @ hT).T)
+    if native:
+        logits = _logits(cfg, matmul(dp["head"], hT).T)
+    else:  # the barrier keeps XLA from folding the transpose into the dot ("h @ E^T"), which it
+        # then ran as a naive loop: 95 ms at batch 4 instead of ~6 ms
+        logits = _logits(cfg, jax.lax.optimization_barrier(dp["head"] @ hT).T)
     new_cache = {"k": tuple(new_k), "v": tuple(new_v), "valid": key_valid, "index": idx + 1}
     return (logits, new_cache) if capture_layer is None else (logits, new_cache, captured)

@@ -1,0 +1,123 @@
+"""Build and load the project's C++ XLA FFI kernels at first use (no build step at install).
+
+A kernel source next to this file is compiled once per machine and source version into a
+shared library in a cache directory, then loaded and registered with XLA. The library is built
+with ``-march=native``, so the cache key includes the compiler, the CPU's feature flags, the
+source and the jax version: a home directory shared between different machines gets one
+library per machine type.
+
+Switches (environment):
+  ``MORSE_JAX_KERNEL_CACHE``  cache directory (default ``$XDG_CACHE_HOME/morse_jax/kernels``,
+                              i.e. ``~/.cache/morse_jax/kernels``).
+  ``CXX``                     C++ compiler (default: the first of g++, c++, clang++ on PATH).
+
+Every failure (no compiler, a compile error, a missing symbol) raises :class:`KernelBuildError`
+with the compiler's output; callers decide whether that is fatal (``sampler.cpu_kernels``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("morse_jax.kernels")
+SOURCE_DIR = Path(__file__).resolve().parent
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+
+
+class KernelBuildError(RuntimeError):
+    """A native kernel could not be built or loaded (the message says why)."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("MORSE_JAX_KERNEL_CACHE"):
+        return Path(os.environ["MORSE_JAX_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "morse_jax" / "kernels"
+
+
+def compiler() -> str:
+    if os.environ.get("CXX"):
+        cxx = shutil.which(os.environ["CXX"])
+        if cxx is None:
+            raise KernelBuildError(f"CXX={os.environ['CXX']!r} is not an executable on PATH")
+        return cxx
+    for name in ("g++", "c++", "clang++"):
+        if shutil.which(name):
+            return shutil.which(name)
+    raise KernelBuildError("no C++ compiler found (tried g++, c++, clang++; set CXX to choose one)")
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
+        return "\n".join(dict.fromkeys(keep))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"cannot run the C++ compiler {cxx}: {e}") from e
+
+
+@functools.cache
+def build(name: str) -> Path:
+    """Compile ``<name>.cc`` from this directory (cached); returns the shared library's path."""
+    import jax
+    import jax.ffi
+
+    source = SOURCE_DIR / f"{name}.cc"
+    if not source.is_file():
+        raise KernelBuildError(f"no kernel source {source}")
+    cxx = compiler()
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), _compiler_version(cxx), _cpu_signature(),
+                                    jax.__version__, platform.machine()]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{name}-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name, then rename: concurrent processes (pytest -n, multi-host
+    # launchers on a shared home) never load a half-written library.
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, f"-I{include}", str(source), "-o", tmp]
+    log.info("building native kernel %s -> %s (once per machine and source version)", source.name, out)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as e:
+        os.unlink(tmp)
+        raise KernelBuildError(f"compiling {source.name} failed to run: {e}") from e
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise KernelBuildError(f"compiling {source.name} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+@functools.cache
+def register(name: str, symbol: str, target: str) -> None:
+    """Build ``name``, load it and register its FFI handler ``symbol`` as the CPU custom call
+    ``target`` (once per process)."""
+    import jax.ffi
+
+    path = build(name)
+    try:
+        lib = ctypes.CDLL(str(path))
+        handler = getattr(lib, symbol)
+    except (OSError, AttributeError) as e:
+        raise KernelBuildError(f"loading {path} ({symbol}) failed: {e}") from e
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")

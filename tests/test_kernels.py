@@ -1,0 +1,91 @@
+"""Tests for morse_jax.kernels: the native CPU matmul against numpy, and its build/fallback rules.
+
+The kernel has three code paths (dot form for 1-4 columns, 8- and 16-wide broadcast blocks,
+partial blocks copied and padded) and row/K tails; the shapes below reach each of them.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from morse_jax.kernels import KernelBuildError, matmul_cols, native, unavailable_reason
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None
+                                    and shutil.which("clang++") is None, reason="no C++ compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    reason = unavailable_reason()
+    assert reason is None, f"the native kernel should build here: {reason}"
+    return jax.jit(matmul_cols)
+
+
+@needs_compiler
+@pytest.mark.parametrize("N,K,B", [(1, 1, 1), (7, 5, 1), (64, 576, 1), (13, 17, 2), (9, 33, 3), (40, 48, 4),
+                                   (9, 33, 5), (100, 40, 8), (70, 20, 12), (129, 64, 16), (65, 31, 17),
+                                   (200, 64, 24), (33, 100, 33), (1000, 576, 16)])
+def test_matches_numpy(kernel, N, K, B):
+    rng = np.random.default_rng(N * 1000 + K * 10 + B)
+    w = rng.normal(size=(N, K)).astype(np.float32)
+    x = rng.normal(size=(K, B)).astype(np.float32)
+    got = np.asarray(kernel(w, x))
+    want = w.astype(np.float64) @ x.astype(np.float64)
+    assert got.shape == (N, B) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.sqrt(K) * 4)
+
+
+@needs_compiler
+@pytest.mark.parametrize("N,K,B", [(0, 4, 3), (5, 0, 2), (5, 4, 0)])
+def test_empty_shapes(kernel, N, K, B):
+    got = np.asarray(kernel(np.ones((N, K), np.float32), np.ones((K, B), np.float32)))
+    assert got.shape == (N, B) and not got.any()
+
+
+@needs_compiler
+def test_inside_a_while_loop(kernel):
+    """The custom call as a decode loop uses it: inside lax.fori_loop, on transposed operands."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(48, 48)).astype(np.float32) / 7)
+    x0 = jnp.asarray(rng.normal(size=(6, 48)).astype(np.float32))
+
+    def run(mm):
+        return jax.jit(lambda w, x: jax.lax.fori_loop(0, 5, lambda i, x: jnp.tanh(mm(w, x.T).T), x))(w, x0)
+
+    np.testing.assert_allclose(np.asarray(run(matmul_cols)), np.asarray(run(jnp.matmul)), atol=1e-5)
+
+
+def test_rejects_bad_operands():
+    with pytest.raises(ValueError, match="float32"):
+        matmul_cols(jnp.ones((4, 3), jnp.bfloat16), jnp.ones((3, 2), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"w \[N, K\]"):
+        matmul_cols(jnp.ones((4, 3)), jnp.ones((4, 2)))
+
+
+def test_build_failure_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("MORSE_JAX_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(KernelBuildError, match="CXX='no-such-compiler-xyz'"):
+        native.build.__wrapped__("cpu_matmul")
+    monkeypatch.setenv("CXX", "false")  # runs, fails: the error carries the command
+    with pytest.raises(KernelBuildError, match="compiling cpu_matmul.cc failed"):
+        native.build.__wrapped__("cpu_matmul")
+    assert not list(tmp_path.glob("*.so")), "a failed build must not leave a library behind"
+    with pytest.raises(KernelBuildError, match="no kernel source"):
+        native.build.__wrapped__("no_such_kernel")
+
+
+@needs_compiler
+def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("MORSE_JAX_KERNEL_CACHE", str(tmp_path))
+    first = native.build.__wrapped__("cpu_matmul")
+    assert first.parent == tmp_path and first.is_file()
+    mtime = first.stat().st_mtime_ns
+    assert native.build.__wrapped__("cpu_matmul") == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    monkeypatch.setattr(native, "_cpu_signature", lambda: "another machine")
+    assert native.build.__wrapped__("cpu_matmul") != first  # -march=native: one library per CPU type

@@ -1,4 +1,5 @@
-"""Tests for morse_jax.kernels: the native CPU matmul against numpy, and its build/fallback rules.
+"""Tests for morse_jax.kernels: the native CPU matmul and decode attention against numpy, and the
+build rules.
 
 The kernel has three code paths (dot form for 1-4 columns, 8- and 16-wide broadcast blocks,
 partial blocks copied and padded) and row/K tails; the shapes below reach each of them.
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from morse_jax.kernels import KernelBuildError, matmul_cols, native, unavailable_reason
+from morse_jax.kernels import KernelBuildError, decode_attention, matmul_cols, native, unavailable_reason
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None
                                     and shutil.which("clang++") is None, reason="no C++ compiler on this machine")
@@ -89,3 +90,68 @@ def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
     assert native.build.__wrapped__("cpu_matmul") == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     monkeypatch.setattr(native, "_cpu_signature", lambda: "another machine")
     assert native.build.__wrapped__("cpu_matmul") != first  # -march=native: one library per CPU type
+
+
+# --------------------------------------------------------------------------- decode attention
+
+
+def attention_reference(q, keys, values, mask, scale):
+    """float64 numpy: softmax over the allowed slots, as morse_jax.sampling.decode._attend."""
+    N, G, D = q.shape
+    B = mask.shape[0]
+    m = np.repeat(mask, N // B, axis=0)[:, None, :]
+    s = np.einsum("ngd,nds->ngs", q.astype(np.float64), keys.astype(np.float64)) * scale
+    s = np.where(m, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("ngs,nsd->ngd", p, values.astype(np.float64))
+
+
+@needs_compiler
+@pytest.mark.parametrize("B,K,G,D,S", [(1, 3, 3, 64, 384), (4, 3, 3, 64, 40), (2, 2, 4, 8, 32), (3, 1, 5, 20, 50),
+                                       (2, 2, 1, 256, 70), (2, 2, 6, 100, 129), (1, 1, 1, 1, 1)])
+def test_attention_matches_numpy(kernel, B, K, G, D, S):
+    """Masks with a left pad, holes (a sliding window, invalid slots) and an unwritten tail; scores
+    large enough that the softmax normaliser matters."""
+    rng = np.random.default_rng(B * 100 + G * 10 + D)
+    q = rng.normal(size=(B * K, G, D)).astype(np.float32)
+    keys = rng.normal(size=(B * K, D, S)).astype(np.float32)
+    values = rng.normal(size=(B * K, S, D)).astype(np.float32)
+    mask = np.zeros((B, S), bool)
+    for b in range(B):
+        lo, hi = int(rng.integers(0, max(1, S // 3))), S - int(rng.integers(0, max(1, S // 4)))
+        mask[b, lo:hi] = True
+        mask[b, rng.integers(lo, hi, size=S // 10)] = False
+        mask[b, hi - 1] = True
+    scale = 2.0 / np.sqrt(D)
+    got = np.asarray(jax.jit(decode_attention, static_argnums=4)(q, keys, values, mask, scale))
+    np.testing.assert_allclose(got, attention_reference(q, keys, values, mask, scale), rtol=0, atol=2e-6)
+
+
+@needs_compiler
+def test_attention_ignores_masked_slots_and_zeroes_empty_rows(kernel):
+    """Huge values in masked slots do not reach the output, slots past the last valid one are
+    never read (NaN there stays out); a row with no valid slot (padding) gives zeros."""
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(4, 2, 16)).astype(np.float32)
+    keys = rng.normal(size=(4, 16, 24)).astype(np.float32)
+    values = rng.normal(size=(4, 24, 16)).astype(np.float32)
+    mask = np.zeros((2, 24), bool)
+    mask[0, 3:10] = True
+    keys[:2, :, 10:], values[:2, 10:], keys[:2, :, :3], values[:2, :3] = np.nan, np.nan, 1e30, 1e30
+    got = np.asarray(jax.jit(decode_attention, static_argnums=4)(q, keys, values, mask, 0.25))
+    np.testing.assert_allclose(got[:2], attention_reference(q[:2], keys[:2, :, 3:10], values[:2, 3:10],
+                                                            mask[:1, 3:10], 0.25), atol=2e-6)
+    assert not got[2:].any()
+
+
+def test_attention_rejects_bad_operands():
+    q, k, v, m = jnp.ones((4, 2, 8)), jnp.ones((4, 8, 16)), jnp.ones((4, 16, 8)), jnp.ones((2, 16), bool)
+    with pytest.raises(ValueError, match="float32"):
+        decode_attention(q.astype(jnp.bfloat16), k, v, m, 1.0)
+    with pytest.raises(ValueError, match="bool mask"):
+        decode_attention(q, k, v, m.astype(jnp.float32), 1.0)
+    with pytest.raises(ValueError, match="expects q"):
+        decode_attention(q, k, v[:, :8], m, 1.0)
+    with pytest.raises(ValueError, match="multiple of B"):
+        decode_attention(q, k, v, jnp.ones((3, 16), bool), 1.0)

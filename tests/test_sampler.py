@@ -206,7 +206,7 @@ def test_alternative_paths_agree(tiny, variant):
     sampler's tokens and log-probs."""
     bb, bank, sampler, _ = tiny["llama"]
     if variant.get("cpu_kernels") == "off" and sampler.native_kernels != "on":
-        pytest.skip(f"native kernel not built here: {sampler.native_kernels}")
+        pytest.skip(f"native kernels not built here: {sampler.native_kernels}")
     ps = prompts(PROMPT_LENS, TINY["vocab_size"], seed=31)
     reqs = requests_for(ps, SETS, temperature=0.8, top_p=0.9, max_new_tokens=10)
     a = sampler.generate(bank, reqs, key=jax.random.PRNGKey(4))
@@ -501,7 +501,9 @@ def test_native_kernel_choice_says_why():
     with pytest.raises(ValueError, match="cpu_kernels='on'.*bfloat16"):
         Sampler(half, None, dataclasses.replace(SMALL, cpu_kernels="on"))
     model_path = Sampler(bb, None, dataclasses.replace(SMALL, decode_path="model"))
-    assert model_path.native_kernels.startswith("off (decode_path='model'") and model_path._matmul is None
+    assert model_path.native_kernels.startswith("off (decode_path='model'") and not model_path._native
+    assert Sampler(bb, None, dataclasses.replace(SMALL, cache_dtype=jnp.bfloat16)).native_kernels.startswith(
+        "off (a bfloat16 KV cache")
     assert Sampler(bb, None, dataclasses.replace(SMALL, cpu_kernels="off")).native_kernels.startswith("off")
 
 

@@ -1,6 +1,34 @@
-"""Native CPU kernels (C++, XLA FFI), built at first use; see ``native.py`` for the build."""
+"""Native CPU kernels (C++, XLA FFI) for the sampler's decode step, built at first use.
 
-from morse_jax.kernels.cpu_matmul import ensure_registered, matmul_cols, unavailable_reason
+``native.py`` builds and registers them; ``unavailable_reason()`` says whether they can run
+here (CPU backend, a C++ compiler, a successful build).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from morse_jax.kernels import cpu_matmul, decode_attention as _attention
+from morse_jax.kernels.cpu_matmul import matmul_cols
+from morse_jax.kernels.decode_attention import decode_attention
 from morse_jax.kernels.native import KernelBuildError
 
-__all__ = ["KernelBuildError", "ensure_registered", "matmul_cols", "unavailable_reason"]
+
+def ensure_registered() -> None:
+    """Build (first use on this machine) and register every kernel; raises ``KernelBuildError``."""
+    cpu_matmul.ensure_registered()
+    _attention.ensure_registered()
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels can run here, otherwise why not (one line)."""
+    if jax.default_backend() != "cpu":
+        return f"the default backend is {jax.default_backend()}, not cpu"
+    try:
+        ensure_registered()
+    except KernelBuildError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+__all__ = ["KernelBuildError", "decode_attention", "ensure_registered", "matmul_cols", "unavailable_reason"]

@@ -13,42 +13,18 @@
 // Written with GCC/Clang vector extensions rather than intrinsics: -march=native turns them into
 // AVX-512, AVX2 or NEON as the machine has. Built at first use by morse_jax/kernels/native.py.
 
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "cpu_common.h"
 
 namespace ffi = xla::ffi;
+using morse::hsum;
+using morse::load;
+using morse::load_partial;
+using morse::v16;
+using morse::v8;
 
 namespace {
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v16 __attribute__((vector_size(64)));
-
-template <typename V>
-inline V load(const float* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(V));
-  return v;
-}
-
-template <typename V>
-inline V load_partial(const float* p, int64_t n) {  // n < lanes; the rest zero
-  V v = {};
-  std::memcpy(&v, p, n * sizeof(float));
-  return v;
-}
-
-inline float hsum(v16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
 
 // ------------------------------------------------------------------ dot form (B <= 4)
 
@@ -124,8 +100,6 @@ struct Job {
   int64_t N, K, B, Kp;
   std::vector<float> scratch;  // xt [B, Kp] (dot form) or padded column blocks (broadcast form)
   std::vector<int64_t> block_col, block_ld, block_off;  // broadcast form: per column block
-  int64_t rows_per_part = 0, parts = 0;
-  std::atomic<int64_t> next{0}, done{0};
 
   void prepare() {
     if (B <= 4) {
@@ -152,7 +126,7 @@ struct Job {
     }
   }
 
-  void run_rows(int64_t n0, int64_t n1) {
+  void run_rows(int64_t n0, int64_t n1) const {
     switch (B) {
       case 1: return dot_form<1>(W, scratch.data(), out, n0, n1, K, Kp);
       case 2: return dot_form<2>(W, scratch.data(), out, n0, n1, K, Kp);
@@ -172,15 +146,6 @@ struct Job {
       }
     }
   }
-
-  // Claims row parts until none are left; safe to call from any number of threads.
-  void work() {
-    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
-      const int64_t n0 = p * rows_per_part, n1 = std::min(N, n0 + rows_per_part);
-      run_rows(n0, n1);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
 };
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
@@ -190,31 +155,27 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer
       od[1] != xd[1]) {
     return ffi::Error::InvalidArgument("morse_cpu_matmul: expects W [N, K], X [K, B] -> out [N, B]");
   }
-  auto job = std::make_shared<Job>();
-  job->W = w.typed_data();
-  job->X = x.typed_data();
-  job->out = out->typed_data();
-  job->N = wd[0];
-  job->K = wd[1];
-  job->B = xd[1];
-  if (job->N == 0 || job->B == 0) return ffi::Error::Success();
-  if (job->K == 0) {
-    std::fill(job->out, job->out + job->N * job->B, 0.f);
+  Job job;
+  job.W = w.typed_data();
+  job.X = x.typed_data();
+  job.out = out->typed_data();
+  job.N = wd[0];
+  job.K = wd[1];
+  job.B = xd[1];
+  if (job.N == 0 || job.B == 0) return ffi::Error::Success();
+  if (job.K == 0) {
+    std::fill(job.out, job.out + job.N * job.B, 0.f);
     return ffi::Error::Success();
   }
-  job->prepare();
+  job.prepare();
   // Parts of >= 64 rows (multiples of the 8-row blocks), about four per thread so a helper that
-  // starts late still finds work; the calling thread takes parts too, so a busy or absent pool
-  // only costs parallelism, never progress.
+  // starts late still finds work.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t rows = (job->N + 4 * threads - 1) / (4 * threads);
+  int64_t rows = (job.N + 4 * threads - 1) / (4 * threads);
   rows = std::max<int64_t>(64, (rows + 7) & ~int64_t{7});
-  job->rows_per_part = rows;
-  job->parts = (job->N + rows - 1) / rows;
-  const int64_t helpers = std::min<int64_t>(threads, job->parts) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  while (job->done.load(std::memory_order_acquire) < job->parts) std::this_thread::yield();
+  // Helpers that start after the last part find nothing to claim and never touch job.
+  morse::parallel_for(pool, (job.N + rows - 1) / rows,
+                      [&job, rows](int64_t p) { job.run_rows(p * rows, std::min(job.N, (p + 1) * rows)); });
   return ffi::Error::Success();
 }
 

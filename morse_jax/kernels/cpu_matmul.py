@@ -22,21 +22,10 @@ def ensure_registered() -> None:
     native.register("cpu_matmul", "MorseCpuMatmul", TARGET)
 
 
-def unavailable_reason() -> str | None:
-    """None when ``matmul_cols`` can run here, otherwise why not (one line)."""
-    if jax.default_backend() != "cpu":
-        return f"the default backend is {jax.default_backend()}, not cpu"
-    try:
-        ensure_registered()
-    except native.KernelBuildError as e:
-        return str(e).splitlines()[0]
-    return None
-
-
 def matmul_cols(w: jax.Array, x: jax.Array) -> jax.Array:
     """``w @ x`` for w float32[N, K], x float32[K, B] -> float32[N, B] (native CPU kernel).
 
-    Call :func:`ensure_registered` first (once per process).
+    Call ``morse_jax.kernels.ensure_registered()`` first (once per process).
     """
     if w.ndim != 2 or x.ndim != 2 or w.shape[1] != x.shape[0]:
         raise ValueError(f"matmul_cols expects w [N, K] and x [K, B], got {w.shape} and {x.shape}")

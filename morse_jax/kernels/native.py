@@ -1,6 +1,6 @@
 """Build and load the project's C++ XLA FFI kernels at first use (no build step at install).
 
-A kernel source next to this file is compiled once per machine and source version into a
+A kernel source next to this file (with the headers here) is compiled once per machine and source version into a
 shared library in a cache directory, then loaded and registered with XLA. The library is built
 with ``-march=native``, so the cache key includes the compiler, the CPU's feature flags, the
 source and the jax version: a home directory shared between different machines gets one
@@ -84,8 +84,9 @@ def build(name: str) -> Path:
         raise KernelBuildError(f"no kernel source {source}")
     cxx = compiler()
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), _compiler_version(cxx), _cpu_signature(),
-                                    jax.__version__, platform.machine()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), _compiler_version(cxx),
+                                    _cpu_signature(), jax.__version__, platform.machine()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.is_file():
         return out
@@ -94,7 +95,7 @@ def build(name: str) -> Path:
     # launchers on a shared home) never load a half-written library.
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{include}", str(source), "-o", tmp]
+    cmd = [cxx, *FLAGS, f"-I{include}", f"-I{SOURCE_DIR}", str(source), "-o", tmp]
     log.info("building native kernel %s -> %s (once per machine and source version)", source.name, out)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -103,7 +104,8 @@ def build(name: str) -> Path:
         raise KernelBuildError(f"compiling {source.name} failed to run: {e}") from e
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise KernelBuildError(f"compiling {source.name} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+        first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:200])
+        raise KernelBuildError(f"compiling {source.name} failed: {first}\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
     os.replace(tmp, out)
     return out
 

@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from morse_jax import kernels
 from morse_jax.models.config import ModelConfig
 from morse_jax.models.transformer import (NEG_INF, LoraInputs, apply_rope, per_layer_inputs, rms_norm, rms_norm_unscaled,
                                           rope_tables)
@@ -214,7 +215,7 @@ def _lora_cols(xT, layer, group, sizes=None) -> dict:
 # --------------------------------------------------------------------------- shared pieces
 
 
-def _attend(q, ck, cv, mask, cfg):
+def _attend(q, ck, cv, mask, cfg, native=False):
     """q [B, T, H, D]; keys [B*K, D, S]; values [B*K, S, D]; mask bool[B, T, S] -> [B, T, H*D].
 
     Query rows are (t, g) pairs folded into one axis so both dots are plain batched matmuls over
@@ -223,11 +224,16 @@ def _attend(q, ck, cv, mask, cfg):
     A decode step (T = 1) on CPU computes both products as float32 multiply-reduce fusions: its dots
     are [G, D] x [D, S] per (b, k), so small that per-dot overhead dominated (30 layers at batch
     16: 23 -> 16 ms in isolation; the whole step 81-87 -> 77-81 ms, bench/sampler.py A/B).
+    With ``native`` (T = 1, no logit soft-cap) the native kernel does it all in one call per layer,
+    reading each cache only up to its last valid slot.
     """
     B, T, H, D = q.shape
     K = cv.shape[0] // B
     G = H // K
     qx = jnp.swapaxes(q.reshape(B, T, K, G, D), 1, 2).reshape(B * K, T * G, D)
+    if native and T == 1 and not cfg.attn_logit_softcap:
+        out = kernels.decode_attention(qx, ck, cv, mask[:, 0], cfg.scale).reshape(B, K, T, G, D)
+        return jnp.swapaxes(out, 1, 2).reshape(B, T, H * D)
     f32 = jnp.float32
     reduce = T == 1 and jax.default_backend() == "cpu"  # GPUs/TPUs: matmul units, keep the dots
     if reduce:
@@ -461,7 +467,7 @@ def _proj_cols(xT, lp, name, layer_lora, sizes=None, matmul=jnp.matmul):
 
 def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array, positions: jax.Array,
                 cache: dict, lora: tuple[dict, ...] | None, rope: tuple | None = None, *,
-                capture_layer: int | None = None, matmul=None):
+                capture_layer: int | None = None, native: bool = False):
     """One new token per row (the decode step), activations kept as [features, B].
 
     Args:
@@ -469,17 +475,18 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
         as invalid and never attended to). positions: int32[B]. cache, lora: as
         :func:`forward_cached`. rope: :func:`rope_tables_for` the cache length (computed here
         when None; pass it from outside a decode loop). capture_layer: as :func:`forward_cached`
-        (the captured residual is [B, d]). matmul: ``(w [N, K], x [K, B]) -> [N, B]`` for the
-        weight projections and the LM head (default ``jnp.matmul``; the sampler passes the native
-        CPU kernel, ``morse_jax.kernels.matmul_cols``, where it applies).
+        (the captured residual is [B, d]). native: run the weight projections, the LM head and
+        the attention on the native CPU kernels (``morse_jax.kernels``; float32 weights and
+        caches, CPU, unsharded, kernels registered: the sampler checks, ``SamplerConfig.cpu_kernels``).
     Returns:
       (float32 logits [B, V], new cache), plus the captured residual with ``capture_layer``.
     """
     B = tokens.shape[0]
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     dtype = dp["embed"].dtype
-    native = matmul is not None
-    matmul = matmul or jnp.matmul
+    if native:
+        kernels.ensure_registered()  # once per process (cached); raises KernelBuildError
+    matmul = kernels.matmul_cols if native else jnp.matmul
     x0 = jnp.take(dp["embed"], tokens, axis=0)  # [B, d]
     if cfg.embed_scale:
         x0 = x0 * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
@@ -513,7 +520,7 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
             ck, cv = new_k[producer], new_v[producer]
         new_k.append(None if producer is not None else ck)
         new_v.append(None if producer is not None else cv)
-        out = _attend(q, ck.astype(dtype), cv.astype(dtype), mask_slide if sliding else mask_full, cfg)
+        out = _attend(q, ck.astype(dtype), cv.astype(dtype), mask_slide if sliding else mask_full, cfg, native)
         outT = _proj_cols(out.reshape(B, H * D).T, lp, "o", layer_lora, matmul=matmul)
         if cfg.post_norms:
             outT = _norm_cols(outT, lp["post_attn_norm"], eps, off)

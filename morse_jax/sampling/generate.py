@@ -116,11 +116,11 @@ class SamplerConfig:
     # can restart there instead of recomputing them (rl.train_step, TrainConfig.reuse_prefix_states).
     # Costs d floats per position on the host. "fused" decode path only.
     return_prefix_states: bool = False
-    # Native C++ kernel (morse_jax.kernels, built with the machine's C++ compiler at first use) for
-    # the decode step's weight projections and LM head: "auto" uses it where it applies (CPU
-    # backend, no multi-device mesh, float32 weights, "fused" path, the build succeeds) and falls
-    # back to XLA's dots otherwise; "on" raises instead of falling back; "off" never uses it.
-    # Sampler.native_kernels says what was chosen and why.
+    # Native C++ kernels (morse_jax.kernels, built with the machine's C++ compiler at first use)
+    # for the decode step's weight projections, LM head and attention: "auto" uses them where they
+    # apply (CPU backend, no multi-device mesh, float32 weights and cache, "fused" path, the build
+    # succeeds) and falls back to XLA otherwise; "on" raises instead of falling back; "off" never
+    # uses them. Sampler.native_kernels says what was chosen and why.
     cpu_kernels: str = "auto"
 
     def __post_init__(self):
@@ -174,7 +174,7 @@ class Sampler:
             self._params = decode_params(backbone.params, self.cfg)
         else:  # per-layer (unrolled) params: per-layer caches update in place; a scanned stack copies
             self._params = unstack_segments(split_segments(backbone.params, self._n_adapt))
-        self._matmul, self.native_kernels = self._native_matmul(mesh)
+        self._native, self.native_kernels = self._use_native_kernels(mesh)
         self.compile_count = 0
         # Wall-clock split of the last generate() call (seconds; summed over micro-batches):
         # prefill_s includes the prefill's compile on a first call, decode_s the decode's.
@@ -187,28 +187,31 @@ class Sampler:
 
             self._params, self._prefill, self._decode = sampler_functions(self, mesh)
 
-    def _native_matmul(self, mesh):
-        """(decode matmul or None, a line saying whether the native CPU kernel is used and why)."""
+    def _use_native_kernels(self, mesh) -> tuple[bool, str]:
+        """(whether decode steps run on the native CPU kernels, a line saying so and why)."""
         mode = self.config.cpu_kernels
         if mode == "off":
-            return None, "off (sampler.cpu_kernels='off')"
-        from morse_jax.kernels import matmul_cols, unavailable_reason
+            return False, "off (sampler.cpu_kernels='off')"
+        from morse_jax.kernels import unavailable_reason
 
+        cache_dtype = jnp.dtype(self.config.cache_dtype or self._params["embed"].dtype)
         reason = None
         if self.config.decode_path != "fused":
             reason = f"decode_path={self.config.decode_path!r} (the kernel serves the fused path)"
         elif mesh is not None and mesh.size > 1:
             reason = f"a {mesh.size}-device mesh (the kernel is unsharded)"
         elif self._params["embed"].dtype != jnp.float32:
-            reason = f"{self._params['embed'].dtype} weights (the kernel is float32)"
+            reason = f"{self._params['embed'].dtype} weights (the kernels are float32)"
+        elif cache_dtype != jnp.float32:
+            reason = f"a {cache_dtype} KV cache (the kernels are float32)"
         else:
             reason = unavailable_reason()
         if reason is None:
-            return matmul_cols, "on"
+            return True, "on"
         if mode == "on":
-            raise ValueError(f"sampler.cpu_kernels='on' but the native kernel cannot run: {reason}")
-        log.info("sampler: native CPU kernel not used: %s", reason)
-        return None, f"off ({reason})"
+            raise ValueError(f"sampler.cpu_kernels='on' but the native kernels cannot run: {reason}")
+        log.info("sampler: native CPU kernels not used: %s", reason)
+        return False, f"off ({reason})"
 
     # ------------------------------------------------------------------ device functions
 
@@ -235,7 +238,7 @@ class Sampler:
         """One token per row: logits [B, V] and the updated cache (and the captured residual [B, d])."""
         if self.config.decode_path == "fused":
             return decode_step(params, self.cfg, tokens, active, positions, cache, lora, rope,
-                               capture_layer=self.capture_layer, matmul=self._matmul)
+                               capture_layer=self.capture_layer, native=self._native)
         return self._forward(params, tokens[:, None], active[:, None], positions[:, None], cache, lora)
 
     def _chunk(self, batch: int, prompt_bucket: int) -> int:

@@ -1,0 +1,195 @@
+// One decode step's attention on CPU: a query row per (batch row, kv head) group against the
+// layer's cache, float32, with the layouts of morse_jax/sampling/decode.py:
+//
+//   q     [N, G, D]   N = B * K (batch rows x kv heads), G query heads per kv head
+//   keys  [N, D, S]   S cache slots (slots advance with positions within a row)
+//   vals  [N, S, D]
+//   mask  [B, S]      bool, True where slot s may be attended (valid, causal, sliding window)
+//   out   [N, G, D]   softmax(scale * q . k over valid slots) . v
+//
+// XLA runs this as per-(b, k) multiply-reduce fusions over all S slots (bench/sampler.py); here
+// each group reads its keys and values once, only up to its last valid slot (a cache bucket
+// of 384 holding 200-330 tokens), with the G query heads sharing every load.
+//
+// A row with no valid slot (a padding row) gets zeros; XLA's softmax over all-masked scores
+// gives the mean value there. Neither is ever read: such rows are inactive.
+
+#include <cmath>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace ffi = xla::ffi;
+using morse::v16;
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // lanes per register block (4 vectors of 16)
+constexpr int kRows = 64;        // key rows (head-dim entries) per pass over the slots (8: 1.4x slower)
+
+// Loads lanes [s, s + n) of a row into 4 vectors (n <= 64; missing lanes zero).
+inline void load_block(const float* p, int64_t n, v16 out[4]) {
+  for (int j = 0; j < 4; ++j) {
+    const int64_t m = std::clamp<int64_t>(n - 16 * j, 0, 16);
+    out[j] = m == 16 ? morse::load<v16>(p + 16 * j) : morse::load_partial<v16>(p + 16 * j, m);
+  }
+}
+
+inline void store_block(float* p, int64_t n, const v16 in[4]) {
+  for (int j = 0; j < 4; ++j) {
+    const int64_t m = std::clamp<int64_t>(n - 16 * j, 0, 16);
+    if (m > 0) morse::store_partial(p + 16 * j, in[j], m);
+  }
+}
+
+// scores[g, s] (+)= sum_{d in [d0, d0 + rows)} q[g, d] * keys[d, s] for g in [g0, g0 + GB), s < hi;
+// q is pre-scaled. GB x 4 independent accumulators: the FMAs pipeline instead of waiting on one
+// another, and every key vector loaded serves all GB heads.
+template <int GB>
+void scores_block(const float* q, const float* keys, float* scores, int64_t ld, int64_t g0, int64_t d0, int rows,
+                  int64_t D, int64_t S, int64_t hi) {
+  for (int64_t s0 = 0; s0 < hi; s0 += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, hi - s0);
+    v16 acc[GB][4];
+    for (int g = 0; g < GB; ++g) {
+      if (d0 == 0) {
+        for (int j = 0; j < 4; ++j) acc[g][j] = v16{};
+      } else {
+        load_block(scores + (g0 + g) * ld + s0, n, acc[g]);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      v16 k[4];
+      load_block(keys + (d0 + r) * S + s0, n, k);
+      for (int g = 0; g < GB; ++g) {
+        const float qd = q[(g0 + g) * D + d0 + r];
+        for (int j = 0; j < 4; ++j) acc[g][j] += k[j] * qd;
+      }
+    }
+    for (int g = 0; g < GB; ++g) store_block(scores + (g0 + g) * ld + s0, n, acc[g]);
+  }
+}
+
+// scores [G, hi] (row stride ld) = q . keys over head-dim blocks of kRows rows (kRows sequential
+// key streams).
+void scores_rows(const float* q, const float* keys, float* scores, int64_t ld, int64_t G, int64_t D, int64_t S,
+                 int64_t hi) {
+  for (int64_t d0 = 0; d0 < D; d0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, D - d0));
+    int64_t g0 = 0;
+    for (; g0 + 4 <= G; g0 += 4) scores_block<4>(q, keys, scores, ld, g0, d0, rows, D, S, hi);
+    switch (G - g0) {
+      case 3: scores_block<3>(q, keys, scores, ld, g0, d0, rows, D, S, hi); break;
+      case 2: scores_block<2>(q, keys, scores, ld, g0, d0, rows, D, S, hi); break;
+      case 1: scores_block<1>(q, keys, scores, ld, g0, d0, rows, D, S, hi); break;
+      default: break;
+    }
+  }
+}
+
+// out[g, :] = sum_s p[g, s] * vals[s, :] for g in [g0, g0 + GB); D handled 64 lanes at a time
+template <int GB>
+void values_block(const float* p, int64_t ld, const float* vals, float* out, int64_t g0, int64_t D, int64_t hi) {
+  for (int64_t d0 = 0; d0 < D; d0 += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, D - d0);
+    const int nv = static_cast<int>((n + 15) / 16);
+    v16 acc[GB][4] = {};
+    for (int64_t s = 0; s < hi; ++s) {
+      const float* v = vals + s * D + d0;
+      v16 vv[4];
+      for (int j = 0; j < nv; ++j) {
+        const int64_t m = std::min<int64_t>(16, n - 16 * j);
+        vv[j] = m == 16 ? morse::load<v16>(v + 16 * j) : morse::load_partial<v16>(v + 16 * j, m);
+      }
+      for (int g = 0; g < GB; ++g) {
+        const float pg = p[(g0 + g) * ld + s];
+        for (int j = 0; j < nv; ++j) acc[g][j] += vv[j] * pg;
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < nv; ++j)
+        morse::store_partial(out + (g0 + g) * D + d0 + 16 * j, acc[g][j], std::min<int64_t>(16, n - 16 * j));
+  }
+}
+
+// Softmax of one row of scores in place; bias [hi] is 0 at valid slots and -inf elsewhere
+// (zero-padded to a multiple of 16 lanes, like row).
+void softmax_row(float* row, const float* bias, int64_t hi) {
+  const int64_t h16 = (hi + 15) & ~int64_t{15};
+  v16 vmax = v16{} - INFINITY;
+  for (int64_t s = 0; s < h16; s += 16) {
+    const v16 x = morse::load<v16>(row + s) + morse::load<v16>(bias + s);
+    vmax = x > vmax ? x : vmax;
+  }
+  const float mx = morse::hmax(vmax);
+  v16 vsum = {};
+  for (int64_t s = 0; s < h16; s += 16) {
+    const v16 e = morse::exp_nonpositive(morse::load<v16>(row + s) + morse::load<v16>(bias + s) - mx);
+    vsum += e;
+    std::memcpy(row + s, &e, sizeof(e));
+  }
+  const float inv = 1.f / morse::hsum(vsum);
+  for (int64_t s = 0; s < hi; ++s) row[s] *= inv;
+}
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                         ffi::Buffer<ffi::F32> vals, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
+                         float scale) {
+  const auto qd = q.dimensions(), kd = keys.dimensions(), vd = vals.dimensions(), md = mask.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || md.size() != 2) {
+    return ffi::Error::InvalidArgument("morse_decode_attention: expects q [N,G,D], keys [N,D,S], vals [N,S,D], mask [B,S]");
+  }
+  const int64_t N = qd[0], G = qd[1], D = qd[2], S = kd[2], B = md[0];
+  if (kd[0] != N || kd[1] != D || vd[0] != N || vd[1] != S || vd[2] != D || md[1] != S || B == 0 || N % B != 0) {
+    return ffi::Error::InvalidArgument("morse_decode_attention: inconsistent shapes");
+  }
+  const int64_t K = N / B;
+  const float* qp = q.typed_data();
+  const float* kp = keys.typed_data();
+  const float* vp = vals.typed_data();
+  const bool* mp = mask.typed_data();
+  float* op = out->typed_data();
+  morse::parallel_for(pool, N, [=](int64_t n) {
+    const bool* m = mp + (n / K) * S;
+    int64_t hi = S;
+    while (hi > 0 && !m[hi - 1]) --hi;  // slots past the last valid one are never read
+    float* o = op + n * G * D;
+    if (hi == 0) {
+      std::fill(o, o + G * D, 0.f);
+      return;
+    }
+    // Rows padded to 16 lanes so the softmax runs on whole vectors; padding lanes get bias -inf.
+    const int64_t h16 = (hi + 15) & ~int64_t{15};
+    thread_local std::vector<float> scores, bias;
+    scores.assign(G * h16, 0.f);
+    bias.resize(h16);
+    for (int64_t s = 0; s < h16; ++s) bias[s] = s < hi && m[s] ? 0.f : -INFINITY;
+    thread_local std::vector<float> qs;  // q * scale
+    qs.resize(G * D);
+    for (int64_t i = 0; i < G * D; ++i) qs[i] = qp[n * G * D + i] * scale;
+    scores_rows(qs.data(), kp + n * D * S, scores.data(), h16, G, D, S, hi);
+    for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + g * h16, bias.data(), hi);
+    const float* vn = vp + n * S * D;
+    int64_t g0 = 0;
+    for (; g0 + 4 <= G; g0 += 4) values_block<4>(scores.data(), h16, vn, o, g0, D, hi);
+    switch (G - g0) {
+      case 3: values_block<3>(scores.data(), h16, vn, o, g0, D, hi); break;
+      case 2: values_block<2>(scores.data(), h16, vn, o, g0, D, hi); break;
+      case 1: values_block<1>(scores.data(), h16, vn, o, g0, D, hi); break;
+      default: break;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MorseDecodeAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));

@@ -63,6 +63,8 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
         raise ConfigError(f"config.train.steps: must be >= 0, got {cfg.train.steps}")
     if cfg.mole.top_k > cfg.mole.num_subtask and VARIANTS[cfg.variant][0] in ("mole", "flat_mole"):
         raise ConfigError(f"config.mole.top_k: {cfg.mole.top_k} exceeds config.mole.num_subtask={cfg.mole.num_subtask}")
+    if cfg.sampler.cpu_kernels not in ("auto", "on", "off"):
+        raise ConfigError(f"config.sampler.cpu_kernels: must be auto, on or off, got {cfg.sampler.cpu_kernels!r}")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"config.rollout.top_p: must be in (0, 1], got {cfg.rollout.top_p}")
     for name in ("lora_lr", "router_lr"):

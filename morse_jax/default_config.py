@@ -101,6 +101,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.sampler = ml_collections.ConfigDict()
     c.sampler.max_batch = 16
     c.sampler.chunk = 32
+    # native C++ CPU kernels for decode steps (built with g++ at first use): auto | on | off
+    # (auto: where they apply, XLA otherwise; see SamplerConfig.cpu_kernels)
+    c.sampler.cpu_kernels = "auto"
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.mesh = (-1, 1, 1)  # (data, fsdp, tensor); -1 fills with the remaining devices

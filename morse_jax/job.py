@@ -104,8 +104,10 @@ class Job:
                       and self.spec.n_adapt < self.backbone.config.num_layers)
         self.sampler = Sampler(self.backbone, self.spec,
                                SamplerConfig(max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk,
-                                             max_active=max(max_active, 1), return_prefix_states=states),
+                                             max_active=max(max_active, 1), return_prefix_states=states,
+                                             cpu_kernels=cfg.sampler.cpu_kernels),
                                mesh=self.mesh)
+        log.info("sampler native CPU kernels: %s", self.sampler.native_kernels)
         self._trainer = None
         self.stop_ids = stop_token_ids(self.backbone.tokenizer, self.backbone.config.eos_token_ids)
         if self.mesh is None:

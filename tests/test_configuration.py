@@ -98,6 +98,8 @@ def test_range_errors():
         validate_config(_with(defaults(), "variant", "E"), check_paths=False)
     with pytest.raises(ConfigError, match=r"^config\.mole\.top_k: 5 exceeds config\.mole\.num_subtask=4"):
         validate_config(_with(defaults(), "mole.top_k", 5), check_paths=False)
+    with pytest.raises(ConfigError, match=r"^config\.sampler\.cpu_kernels: must be auto, on or off"):
+        validate_config(_with(defaults(), "sampler.cpu_kernels", "yes"), check_paths=False)
     with pytest.raises(ConfigError, match=r"^config\.parallel\.mesh: must be 3 ints"):
         validate_config(_with(defaults(), "parallel.mesh", (2, 0, 1)), check_paths=False)
     with pytest.raises(ConfigError, match=r"^config\.task: mode=solve needs"):

@@ -1,10 +1,10 @@
 """Build and load the project's C++ XLA FFI kernels at first use (no build step at install).
 
-A kernel source next to this file (with the headers here) is compiled once per machine and source version into a
-shared library in a cache directory, then loaded and registered with XLA. The library is built
-with ``-march=native``, so the cache key includes the compiler, the CPU's feature flags, the
-source and the jax version: a home directory shared between different machines gets one
-library per machine type.
+A kernel source next to this file (with the headers here) is compiled once per machine and
+source version into a shared library in a cache directory, then loaded and registered with XLA.
+The library is built with ``-march=native``, so the cache key covers the source and headers,
+flags, compiler, the CPU's model and feature flags, and the jax and jaxlib versions: a home
+directory shared between different machines gets one library per machine type.
 
 Switches (environment):
   ``MORSE_JAX_KERNEL_CACHE``  cache directory (default ``$XDG_CACHE_HOME/morse_jax/kernels``,
@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import platform
@@ -66,6 +67,14 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+def _jaxlib_version() -> str:
+    """The FFI headers and ABI come with jaxlib, which may differ from jax's version."""
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _compiler_version(cxx: str) -> str:
     try:
         return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
@@ -86,7 +95,8 @@ def build(name: str) -> Path:
     include = jax.ffi.include_dir()
     headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]
     key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), _compiler_version(cxx),
-                                    _cpu_signature(), jax.__version__, platform.machine()]).encode()).hexdigest()[:16]
+                                    _cpu_signature(), jax.__version__, _jaxlib_version(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.is_file():
         return out

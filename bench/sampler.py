@@ -30,7 +30,9 @@ jobs):
                      batch 1            batch 4            batch 16
     2026-12-03, A    39.3 vs 13.5 2.91x 121.2 vs 34.7 3.50x 281.5 vs 76.0 3.70x  (first kernels)
     2026-12-03, B    46.5 vs 12.2 3.80x 107.1 vs 32.7 3.28x 296.0 vs 84.2 3.51x  (sequential W)
+    2026-12-03, C    50.3 vs 12.5 4.03x 102.2 vs 27.7 3.69x 300.0 vs 81.1 3.70x  (quiet machine)
     end-to-end (B)   39.7 vs 11.9 3.34x  76.9 vs 29.9 2.57x 150.1 vs 66.0 2.27x
+    end-to-end (C)   42.8 vs 12.0 3.57x  71.3 vs 25.8 2.76x 138.5 vs 62.8 2.20x
   The kernels, A/B with --ours-only (ms/step, batch 1 / batch 16, cache 384):
     XLA only (cpu_kernels="off")                                        25.8-28.0 / 64-75
     native W @ x (projections + LM head): 8 rows of W at a time        25.5-27.4 / 66

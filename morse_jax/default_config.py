@@ -67,6 +67,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = 1024
     c.rollout.eval_temperature = 0.0
     c.rollout.eval_max_new_tokens = 1024
+    c.rollout.eval_top_p = 1.0  # nucleus mass at evaluation (App. I: 0.95)
+    c.rollout.eval_max_attempts = 3  # calls per node at evaluation (1 = no revision, App. I)
+    # merge calls in training: "routes_x_candidates" (B x M, the same loop as execute calls, Alg. 1)
+    # or "candidates" (M only; cheaper, for CPU runs)
+    c.rollout.merge_candidates = "candidates"
+    c.rollout.scicode_dag = "chain"  # chain: SciCode steps in order | planner: dependencies inferred by the planner
     c.rollout.planner_max_new_tokens = 512
     c.rollout.min_nodes = 2
     c.rollout.max_nodes = 8
@@ -82,6 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.weight_decay = 0.01
     c.train.max_grad_norm = 1.0
     c.train.ppo_eps = 0.2
+    c.train.ppo_epochs = 1  # optimisation passes over each rollout batch (the clip acts from the 2nd)
     c.train.alpha_pi = 0.15
     c.train.entropy_weight = 0.02
     c.train.orthogonality_weight = 0.05

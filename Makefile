@@ -18,13 +18,17 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+# --no-warn-conflicts: the asset packages were installed --no-deps on purpose; without it pip lists
+# their (unneeded) declared dependencies as ERROR lines whenever it installs anything after them.
+PIP_INSTALL := $(PY) -m pip install -q --no-warn-conflicts
+
 $(VENV)/.installed: pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e .
-	$(PY) -m pip install -q --no-deps $(ASSETS)
+	$(PIP_INSTALL) -e .
+	$(PIP_INSTALL) --no-deps $(ASSETS)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[test]"
+	$(PIP_INSTALL) -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed

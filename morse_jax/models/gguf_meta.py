@@ -13,6 +13,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from morse_jax.models.hf_import import import_transformers
+
 # llama.cpp's token-id keys -> the special-token names a tokenizer takes.
 _SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
                    "pad_token": "padding_token_id"}
@@ -39,6 +41,7 @@ def tensor_names(path: str | Path) -> frozenset[str]:
 
 def hf_config(path: str | Path):
     """The transformers config a GGUF file describes (architectures with a renaming table)."""
+    import_transformers()  # first import without the no-PyTorch banner
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
@@ -59,6 +62,7 @@ def hf_config(path: str | Path):
 
 def tokenizer(path: str | Path):
     """A fast tokenizer with the file's vocabulary, merges, special tokens and chat template."""
+    import_transformers()  # first import without the no-PyTorch banner
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 

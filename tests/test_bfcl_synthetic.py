@@ -1,0 +1,99 @@
+"""The leakage-free synthetic function-calling set: deterministic, large, distinct, disjoint from
+BFCL (function names and 8-word phrases), and every reference call valid under BFCL's own checker."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+
+from morse_jax.tasks import bfcl
+from morse_jax.tasks.bfcl import synthetic
+
+N = 4000
+
+
+@pytest.fixture(scope="module")
+def records():
+    return synthetic.generate(N, seed=0)
+
+
+def test_deterministic_and_distinct(records):
+    assert synthetic.generate(N, seed=0) == records
+    assert synthetic.generate(300, seed=7) == synthetic.generate(300, seed=7)
+    assert synthetic.generate(300, seed=7) != synthetic.generate(300, seed=8)
+    assert len({(r["query"], tuple(f["name"] for f in r["functions"])) for r in records}) == N
+    assert len({r["query"] for r in records}) > 0.95 * N
+    counts = collections.Counter(r["scenario"] for r in records)
+    assert set(counts) == set(synthetic.SCENARIOS) and min(counts.values()) > 0.1 * N
+    with pytest.raises(ValueError, match="unknown scenario"):
+        synthetic.generate(5, mix={"simple": 1.0, "chitchat": 1.0})
+
+
+def test_no_function_name_occurs_in_any_bfcl_category(records):
+    generated = {f["name"] for r in records for f in r["functions"]} | set(synthetic.catalogue_names(0))
+    for seed in (1, 2, 3):
+        generated |= set(synthetic.catalogue_names(seed))
+    bfcl_names = bfcl.function_names(bfcl.CATEGORIES)
+    assert len(bfcl_names) > 1000  # all 11 categories were read
+    assert not generated & bfcl_names
+    # nor after BFCL's underscore/dot normalisation of names
+    norm = lambda n: n.replace(".", "_").lower()  # noqa: E731
+    assert not {norm(n) for n in generated} & {norm(n) for n in bfcl_names}
+
+
+def _ngrams(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_no_query_shares_an_8_gram_with_a_bfcl_question(records):
+    bfcl_grams = set()
+    for c in bfcl.CATEGORIES:
+        for item in bfcl.load(c):
+            for m in item.question:
+                bfcl_grams |= _ngrams(m["content"])
+    assert len(bfcl_grams) > 10000
+    shared = [r["query"] for r in records if _ngrams(r["query"]) & bfcl_grams]
+    assert not shared, shared[:3]
+
+
+CATEGORY = {"simple": "simple_python", "multiple": "multiple", "parallel": "parallel",
+            "parallel_multiple": "parallel_multiple", "irrelevance": "irrelevance"}
+
+
+def test_reference_calls_pass_bfcl_checker(records):
+    """Each reference call, as text, is correct under BFCL's checker with the record's own schema as
+    the function docs and the call as the only possible answer (omitted optional arguments = "")."""
+    for r in records[:1500]:
+        gt = None
+        if r["calls"]:
+            gt = []
+            for call in r["calls"]:
+                (name, args), = call.items()
+                fn = next(f for f in r["functions"] if f["name"] == name)
+                props = fn["parameters"]["properties"]
+                assert set(fn["parameters"]["required"]) <= set(args) <= set(props)
+                gt.append({name: {p: [args[p]] if p in args else [""] for p in props}})
+            gt = tuple(gt)
+        item = bfcl.BfclItem(id=r["id"], category=CATEGORY[r["scenario"]], question=({"role": "user",
+                             "content": r["query"]},), functions=tuple(r["functions"]),
+                             checker_functions=tuple(r["functions"]), ground_truth=gt)
+        text = bfcl.format_calls(r["calls"]) if r["calls"] else "None of the functions can do that."
+        result = bfcl.score(item, text)
+        assert result.correct, (r, result)
+        if r["scenario"] == "irrelevance":
+            called = {f["name"] for f in r["functions"]}
+            assert not bfcl.score(item, f"[{next(iter(called))}()]").correct
+
+
+def test_every_argument_value_is_stated_in_the_query(records):
+    for r in records:
+        for call in r["calls"]:
+            (name, args), = call.items()
+            for k, v in args.items():
+                if isinstance(v, bool):
+                    continue  # stated by a phrase ("notifying the team" / "just once")
+                for x in v if isinstance(v, list) else [v]:
+                    assert str(x) in r["query"], (k, x, r["query"])

@@ -65,6 +65,7 @@ def test_load_items(category):
         assert it.functions or category == "live_irrelevance"  # a few offer no function at all
         assert all("name" in f and "parameters" in f for f in it.functions)
         assert (it.ground_truth is None) == (category not in bfcl.AST_CATEGORIES)
+        assert bfcl.prompt_messages(it)[0]["role"] == "system"
     assert len(bfcl.load(category, limit=3)) == 3
 
 

@@ -4,6 +4,7 @@ BFCL (function names and 8-word phrases), and every reference call valid under B
 from __future__ import annotations
 
 import collections
+import json
 import re
 
 import pytest
@@ -97,3 +98,15 @@ def test_every_argument_value_is_stated_in_the_query(records):
                     continue  # stated by a phrase ("notifying the team" / "just once")
                 for x in v if isinstance(v, list) else [v]:
                     assert str(x) in r["query"], (k, x, r["query"])
+
+
+def test_cli_writes_multi_role_jsonl(tmp_path, capsys):
+    from morse_jax.mor import data
+
+    out = tmp_path / "train.jsonl"
+    synthetic.main(["--n", "40", "--seed", "3", "--out", str(out)])
+    trajs, skipped = data.load_jsonl(out)
+    assert skipped == 0 and [t.turns[0].content for t in trajs] == [r["query"] for r in synthetic.generate(40, 3)]
+    plain = tmp_path / "plain.jsonl"
+    synthetic.main(["--n", "40", "--seed", "3", "--out", str(plain), "--plain"])
+    assert [json.loads(line) for line in plain.read_text().splitlines()] == synthetic.generate(40, 3)

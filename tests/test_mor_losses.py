@@ -160,11 +160,15 @@ def test_orthogonality_matches_materialised_delta_w():
     iu = np.triu_indices(E, 1)
     np.testing.assert_allclose(losses.orthogonality_loss(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)),
                                want[:, iu[0], iu[1]].mean(), rtol=1e-4)
-    groups = [(a, b), (a[:, :3], b[:, :3])]
-    np.testing.assert_allclose(
-        losses.mor_orthogonality_loss([(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)) for x, y in groups]),
-        sum(_np_cos_sq(x, y, losses.ORTH_EPS)[:, np.triu_indices(x.shape[1], 1)[0],
-                                                np.triu_indices(x.shape[1], 1)[1]].mean() for x, y in groups), rtol=1e-4)
+    groups = [(a, b), (a[:, :3], b[:, :3])]  # two roles' groups (4 and 3 routed LoRAs)
+
+    def pair_mean(x, y):
+        i, j = np.triu_indices(x.shape[1], 1)
+        return _np_cos_sq(x, y, losses.ORTH_EPS)[:, i, j].mean()
+
+    got = losses.mor_orthogonality_loss([(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+                                         for x, y in groups])
+    np.testing.assert_allclose(got, sum(pair_mean(x, y) for x, y in groups), rtol=1e-4)
 
 
 def test_orthogonality_extremes_and_zero_init():

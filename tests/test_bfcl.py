@@ -167,14 +167,31 @@ def test_table2_report():
     assert "simple_python" in lines[5] and "75.0 (4)" in lines[7]
 
 
-def test_import_creates_no_folder_in_working_directory(tmp_path):
+# Run in a fresh interpreter where the API clients BFCL's model handlers import cannot be imported
+# (whatever this venv holds) and with a working directory that must stay empty.
+_BLOCK_API_CLIENTS = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"anthropic", "openai", "boto3", "cohere", "mistralai", "google", "httpx",
+                                  "requests", "writerai", "qwen_agent", "overrides", "tree_sitter"}:
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_import_needs_no_api_client_and_creates_no_folder_in_working_directory(tmp_path):
     cwd, cache = tmp_path / "cwd", tmp_path / "cache"
     cwd.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "BFCL_PROJECT_ROOT"}
     env.update(XDG_CACHE_HOME=str(cache), PYTHONPATH=str(REPO))
-    code = ("import os; from morse_jax.tasks import bfcl; it = bfcl.load('simple_python', limit=1)[0]; "
-            "assert bfcl.score(it, '[calculate_triangle_area(base=10, height=5)]').correct; "
-            "assert 'BFCL_PROJECT_ROOT' not in os.environ")
+    code = _BLOCK_API_CLIENTS + (
+        "import os\nfrom morse_jax.tasks import bfcl\n"
+        "it = bfcl.load('simple_python', limit=1)[0]\n"
+        "assert bfcl.score(it, '[calculate_triangle_area(base=10, height=5)]').correct\n"
+        "assert not bfcl.score(it, '[calculate_triangle_area(base=10)]').correct\n"
+        "assert bfcl.prompt_messages(it)[0]['role'] == 'system'\n"
+        "assert 'BFCL_PROJECT_ROOT' not in os.environ\n")
     subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, check=True, timeout=120)
     assert list(cwd.iterdir()) == []
     assert (cache / "morse_jax" / "bfcl").is_dir()  # bfcl-eval's folders went to the cache instead

@@ -9,8 +9,8 @@ first import we register small stand-ins under ``sys.modules`` (nothing in site-
 * ``bfcl_eval.constants.model_config``: the checker uses it only in ``convert_func_name``
   (``MODEL_CONFIG_MAPPING[name].underscore_to_dot``); every name maps to "keep dots", which is what
   BFCL does for prompting-mode (non-FC) models.
-* ``bfcl_eval.model_handler.parser.java_parser`` / ``js_parser`` -- only when the ``tree_sitter``
-  package is absent; their parse functions raise (Java/JS categories are not covered).
+* ``bfcl_eval.model_handler.parser.java_parser`` / ``js_parser`` -- only when the tree-sitter
+  parsers are not importable; their parse functions raise (Java/JS categories are not covered).
 
 ``bfcl_eval.constants.eval_config`` creates ``result/``, ``score/`` and ``.file_locks/`` under
 ``BFCL_PROJECT_ROOT`` when imported (default: next to site-packages). Unless the user set that
@@ -66,6 +66,16 @@ def _unsupported(language: str):
     return parse
 
 
+def _tree_sitter_parsers_available() -> bool:
+    try:
+        import tree_sitter  # noqa: F401
+        import tree_sitter_java  # noqa: F401
+        import tree_sitter_javascript  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def bfcl() -> types.SimpleNamespace:
     """bfcl-eval's modules, imported once: ``ast_checker``, ``handler_utils``
     (``bfcl_eval.model_handler.utils``), ``utils`` (``bfcl_eval.utils``), ``enums``.
@@ -80,7 +90,7 @@ def bfcl() -> types.SimpleNamespace:
             raise ImportError("bfcl: the package bfcl-eval is not installed "
                               "(pip install --no-deps bfcl-eval filelock tenacity)")
         _stub("bfcl_eval.constants.model_config", MODEL_CONFIG_MAPPING=_AnyModelConfig())
-        if importlib.util.find_spec("tree_sitter") is None:
+        if not _tree_sitter_parsers_available():
             _stub("bfcl_eval.model_handler.parser.java_parser", parse_java_function_call=_unsupported("Java"))
             _stub("bfcl_eval.model_handler.parser.js_parser", parse_javascript_function_call=_unsupported("JavaScript"))
         previous = os.environ.get("BFCL_PROJECT_ROOT")

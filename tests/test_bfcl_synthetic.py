@@ -44,6 +44,14 @@ def test_no_function_name_occurs_in_any_bfcl_category(records):
     assert not {norm(n) for n in generated} & {norm(n) for n in bfcl_names}
 
 
+def test_function_docs_look_like_bfcl_prompt_docs(records):
+    shown = bfcl.load("simple_python", limit=1)[0].functions[0]
+    hint = shown["description"][shown["description"].index(" Note that"):]
+    for r in records[:200]:
+        for f in r["functions"]:
+            assert f["description"].endswith(hint) and f["parameters"]["type"] == "dict"
+
+
 def _ngrams(text: str, n: int = 8) -> set[tuple[str, ...]]:
     words = re.findall(r"[a-z0-9']+", text.lower())
     return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}

@@ -76,6 +76,8 @@ VERBS: list[tuple[str, list[str], str]] = [
     ("notify", ["send a notice about", "alert the crew about", "announce"], "Sends a notice about a {noun}."),
 ]
 
+# BFCL appends this to every Python function's description at generation time; so do we, for parity.
+PYTHON_HINT = " Note that the provided function is in Python 3 syntax."
 OPENINGS = ["", "Please ", "Could you ", "Can you ", "I need you to ", "Kindly ", "Would you ", "I'd like you to ",
             "Go ahead and ", "Help me "]
 QUESTION_OPENINGS = {"Could you ", "Can you ", "Would you "}
@@ -185,7 +187,7 @@ def _catalogue(rng: random.Random) -> list[_Function]:
                         entry["description"] += f" Default: {default!r}."
                         entry["default"] = default
                     props[s.name] = entry
-                schema = {"name": name, "description": desc.format(noun=noun_phrase),
+                schema = {"name": name, "description": desc.format(noun=noun_phrase) + PYTHON_HINT,
                           "parameters": {"type": "dict", "properties": props, "required": list(required)}}
                 out.append(_Function(schema, tuple(verb_phrases), noun_phrase, slots, required))
     return out

@@ -221,6 +221,8 @@ def render(traj: Trajectory, tokenizer: Any) -> Rendered:
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("mor.data.render: the tokenizer has no chat template")
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("mor.data.render: needs a fast (tokenizers-backed) tokenizer for character offsets")
     msgs = chat_messages(traj)
     roles = ([None] if msgs[0]["role"] == "system" else []) + [t.role for t in traj.turns]
     full = tokenizer.apply_chat_template(msgs, tokenize=False)

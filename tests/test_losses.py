@@ -31,11 +31,10 @@ def ref_ppo(new, old, mask, adv, eps=EPS, eps_high=None):
     surr = np.minimum(r * a, np.clip(r, 1 - eps, 1 + eps_high) * a)
     per_seq = (surr * mask).sum(1) / np.maximum(mask.sum(1), 1)
     clipped = ((r > 1 + eps_high) & (a > 0)) | ((r < 1 - eps) & (a < 0))
-    k3 = (1 / r - 1) - np.log(1 / r)  # KL(old || new) with r = p_new / p_old
     tok = mask.sum()
+    # approx_kl has its own test from the definition of KL (test_approx_kl_is_kl_old_to_new)
     return -per_seq.sum(), {
         "clip_fraction": (clipped * mask).sum() / tok,
-        "approx_kl": (k3 * mask).sum() / tok,
         "ratio_mean": (r * mask).sum() / tok,
     }
 
@@ -82,6 +81,52 @@ def test_ppo_gradient_zero_exactly_on_clipped_tokens():
     np.testing.assert_allclose(grad[~clipped], expected[~clipped], rtol=1e-5)
     _, metrics = ppo_clip_token_loss(new, old, mask, adv)
     assert float(metrics["clip_fraction"]) == pytest.approx(2 / 8)
+
+
+def test_approx_kl_is_kl_old_to_new():
+    """The tokens were sampled from the old policy q; approx_kl must estimate KL(q || p_new) =
+    sum_i q_i log(q_i / p_i). With q = (1/2, 1/4, 1/4) the four tokens [0, 0, 1, 2] are exactly
+    q's frequencies, so the token mean of an unbiased estimator equals the expectation under q."""
+    q = np.array([0.5, 0.25, 0.25])
+    p = np.array([0.1, 0.6, 0.3])
+    tokens = np.array([0, 0, 1, 2])
+    old = np.log(q[tokens])[None].astype(np.float32)
+    new = np.log(p[tokens])[None].astype(np.float32)
+    _, metrics = ppo_clip_token_loss(new, old, np.ones_like(old), np.zeros(1, np.float32))
+    kl_old_new = float(np.sum(q * np.log(q / p)))
+    kl_new_old = float(np.sum(p * np.log(p / q)))
+    assert abs(kl_old_new - kl_new_old) > 0.1  # the two directions differ here
+    assert float(metrics["approx_kl"]) == pytest.approx(kl_old_new, rel=1e-5)
+    # Monte Carlo from the same definition: tokens drawn from q, the mean tends to KL(q || p).
+    draws = np.random.default_rng(0).choice(3, size=20000, p=q)
+    _, mc = ppo_clip_token_loss(np.log(p[draws])[None].astype(np.float32),
+                                np.log(q[draws])[None].astype(np.float32),
+                                np.ones((1, draws.size), np.float32), np.zeros(1, np.float32))
+    assert float(mc["approx_kl"]) == pytest.approx(kl_old_new, abs=0.02)
+
+
+def test_loss_normalisation_by_hand():
+    """Eq. 7's per-candidate term under both aggregations, computed by hand.
+
+    Sequence 0 (A = 2) has ratios (1.1, 0.9); sequence 1 (A = -2) has ratios (1.0, 1.05, 0.95) after
+    one prompt position; no ratio leaves [0.8, 1.2], so every surrogate is r * A.
+      sequence_mean: -[2 * (1.1 + 0.9) / 2 + (-2) * (1.0 + 1.05 + 0.95) / 3] = -(2 - 2) = 0
+      sequence_sum:  -[2 * (1.1 + 0.9) + (-2) * (1.0 + 1.05 + 0.95)]       = -(4 - 6) = 2
+    d loss / d new_logp[n, t] = -A_n r_t / |y_n| (mean) or -A_n r_t (sum).
+    """
+    r = np.array([[1.1, 0.9, 1.0, 1.0], [1.0, 1.0, 1.05, 0.95]])
+    mask = np.array([[1, 1, 0, 0], [0, 1, 1, 1]], np.float32)
+    old = np.zeros((2, 4), np.float32)
+    new = np.log(r).astype(np.float32)
+    adv = np.array([2.0, -2.0], np.float32)
+    lengths = np.array([[2.0], [3.0]])
+    for norm, want, scale in (("sequence_mean", 0.0, 1 / lengths), ("sequence_sum", 2.0, np.ones((2, 1)))):
+        loss, grad = jax.value_and_grad(
+            lambda x: ppo_clip_token_loss(x, old, mask, adv, normalisation=norm)[0])(jnp.asarray(new))
+        assert float(loss) == pytest.approx(want, abs=1e-6), norm
+        np.testing.assert_allclose(np.asarray(grad), -adv[:, None] * r * scale * mask, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="normalisation"):
+        ppo_clip_token_loss(new, old, mask, adv, normalisation="token_mean")
 
 
 def test_ppo_respects_mask():
@@ -254,3 +299,5 @@ def test_kl_to_base():
     assert not np.asarray(g_base).any() and np.asarray(g_new).any()
     g0 = jax.grad(kl_to_base)(jnp.asarray(base), jnp.asarray(base), mask)
     np.testing.assert_allclose(np.asarray(g0), 0.0, atol=1e-7)
+    ref_sum = sum((k3[n] * mask[n]).sum() for n in range(3))
+    assert float(kl_to_base(new, base, mask, "sequence_sum")) == pytest.approx(ref_sum, rel=1e-5)

@@ -6,11 +6,18 @@ surrogate objective). Regularisers (``routing_entropy``, ``prototype_orthogonali
 signs (entropy is a bonus: subtract ``0.02 * entropy``; orthogonality is a
 penalty: add ``0.05 * penalty``; KL: add ``beta * kl``).
 
-Aggregation: per-sequence token means, summed over sequences/candidates, so a
-node's loss is sum_{b,m} A[b,m] * (token-mean surrogate of candidate (b,m)),
-matching the sum over candidates in paper Eq. 7 and the flat sum over routes in
-Eq. 8. Invalid (skipped) groups carry zero advantages and therefore contribute
-nothing.
+Aggregation over a candidate's tokens (``normalisation``, config
+``train.loss_normalisation``), then summed over candidates, so a node's loss is
+sum_{b,m} A[b,m] * (aggregated surrogate of candidate (b,m)) as in the sum over
+candidates of paper Eq. 7 and the flat sum over routes of Eq. 8:
+
+* ``"sequence_mean"`` (default): the mean over the candidate's generated tokens,
+  (1/|y|) sum_t; what the authors' code does (``logp_sum / gen_len``). Every
+  candidate weighs the same whatever its length.
+* ``"sequence_sum"``: the sum over its tokens, sum_t = log p(y) at ratio 1; Eq. 7
+  as written (``A * log p(y | ...)``). Long candidates weigh more.
+
+Invalid (skipped) groups carry zero advantages and therefore contribute nothing.
 
 All log-probabilities are computed in float32 regardless of the input dtype.
 Metrics are stop-gradient'ed.
@@ -28,7 +35,10 @@ import jax.numpy as jnp
 # The regularisers live with the router they regularise; re-exported as part of the loss API.
 from morse_jax.mole.router import prototype_orthogonality, routing_entropy  # noqa: F401
 
+NORMALISATIONS = ("sequence_mean", "sequence_sum")
+
 __all__ = [
+    "NORMALISATIONS",
     "masked_sequence_mean",
     "ppo_clip_token_loss",
     "router_loss",
@@ -61,18 +71,31 @@ def masked_sequence_mean(x, mask) -> jax.Array:
     return jnp.sum(_f32(x) * m, axis=-1) / jnp.maximum(count, 1.0)
 
 
+def _check_normalisation(normalisation) -> None:
+    if normalisation not in NORMALISATIONS:
+        raise ValueError(f"normalisation: must be one of {NORMALISATIONS}, got {normalisation!r}")
+
+
+def _per_sequence(x, mask, normalisation: str) -> jax.Array:
+    """float[N]: x[N, T] aggregated over each sequence's masked positions (see module docstring)."""
+    if normalisation == "sequence_sum":
+        return jnp.sum(_f32(x) * _f32(mask), axis=-1)
+    return masked_sequence_mean(x, mask)
+
+
 def _masked_token_mean(x, mask) -> jax.Array:
     m = _f32(mask)
     return jnp.sum(_f32(x) * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
 def _k3(log_ratio) -> jax.Array:
-    # k3 = r - 1 - log r (Schulman's low-variance, always >= 0 KL estimator).
+    # k3 = r - 1 - log r with log r = log_ratio (Schulman's low-variance, always >= 0 estimator).
+    # For tokens drawn from q and r = p / q: E_q[r] = 1, so E_q[k3] = E_q[log q - log p] = KL(q || p).
     return jnp.expm1(log_ratio) - log_ratio
 
 
 def ppo_clip_token_loss(new_logp, old_logp, mask, advantages, *, eps: float = 0.2,
-                        eps_high: Optional[float] = None):
+                        eps_high: Optional[float] = None, normalisation: str = "sequence_mean"):
     """Token-level PPO-clip loss for candidates with per-sequence advantages.
 
     Args:
@@ -85,22 +108,26 @@ def ppo_clip_token_loss(new_logp, old_logp, mask, advantages, *, eps: float = 0.
         flattened), broadcast over its tokens; treated as a constant.
       eps: lower clip range, ratio >= 1 - eps.
       eps_high: upper clip range, ratio <= 1 + eps_high (defaults to eps).
+      normalisation: static; "sequence_mean" or "sequence_sum" (module docstring).
 
     Returns:
-      (loss, metrics): loss = -sum_n mean_{t in mask_n} min(r A_n, clip(r) A_n)
-      with r = exp(new - old), a float32 scalar to minimise. metrics (float32
-      scalars, token means over the mask): ``clip_fraction`` (tokens whose
-      gradient is zeroed by clipping), ``approx_kl`` (k3 estimate of
-      KL(old || new)), ``ratio_mean``.
+      (loss, metrics): loss = -sum_n agg_{t in mask_n} min(r A_n, clip(r) A_n)
+      with r = exp(new - old) and agg the token mean (or sum) of sequence n, a
+      float32 scalar to minimise. metrics (float32 scalars, token means over the
+      mask): ``clip_fraction`` (tokens whose gradient is zeroed by clipping),
+      ``approx_kl`` (k3 estimate of KL(old || new): the tokens were drawn from
+      the old policy, so r - 1 - log r with r = p_new / p_old is unbiased for
+      it), ``ratio_mean``.
     """
     eps_high = eps if eps_high is None else eps_high
     _check_eps("eps", eps)
     _check_eps("eps_high", eps_high)
-    return _ppo_core(new_logp, old_logp, mask, advantages, eps, eps_high)
+    _check_normalisation(normalisation)
+    return _ppo_core(new_logp, old_logp, mask, advantages, eps, eps_high, normalisation)
 
 
-@jax.jit
-def _ppo_core(new_logp, old_logp, mask, advantages, eps, eps_high):
+@functools.partial(jax.jit, static_argnames="normalisation")
+def _ppo_core(new_logp, old_logp, mask, advantages, eps, eps_high, normalisation):
     chex.assert_rank([new_logp, old_logp, mask, advantages], [2, 2, 2, 1])
     chex.assert_equal_shape([new_logp, old_logp, mask])
     chex.assert_equal_shape_prefix([new_logp, advantages], 1)
@@ -112,13 +139,13 @@ def _ppo_core(new_logp, old_logp, mask, advantages, eps, eps_high):
     ratio = jnp.exp(log_ratio)
     surrogate = jnp.minimum(ratio * adv,
                             jnp.clip(ratio, 1.0 - eps, 1.0 + eps_high) * adv)
-    loss = -jnp.sum(masked_sequence_mean(surrogate, mask))
+    loss = -jnp.sum(_per_sequence(surrogate, mask, normalisation))
 
     ratio_sg = jax.lax.stop_gradient(ratio)
     clipped = ((ratio_sg > 1.0 + eps_high) & (adv > 0)) | ((ratio_sg < 1.0 - eps) & (adv < 0))
     metrics = {
         "clip_fraction": _masked_token_mean(clipped, mask),
-        "approx_kl": _masked_token_mean(_k3(-jax.lax.stop_gradient(log_ratio)), mask),
+        "approx_kl": _masked_token_mean(_k3(jax.lax.stop_gradient(log_ratio)), mask),
         "ratio_mean": _masked_token_mean(ratio_sg, mask),
     }
     return loss, metrics
@@ -176,9 +203,8 @@ def _router_core(new_set_logp, old_set_logp, advantages, alpha_pi, eps, reinforc
     return loss, metrics
 
 
-@jax.jit
-@jax.jit
-def kl_to_base(new_logp, base_logp, mask) -> jax.Array:
+@functools.partial(jax.jit, static_argnames="normalisation")
+def kl_to_base(new_logp, base_logp, mask, normalisation: str = "sequence_mean") -> jax.Array:
     """k3 estimate of KL(new || base) on sampled tokens, aggregated like the PPO loss.
 
     Args:
@@ -186,15 +212,18 @@ def kl_to_base(new_logp, base_logp, mask) -> jax.Array:
         parameters (differentiated).
       base_logp: float[N, T] the same under the frozen base model (constant).
       mask: [N, T] generated-token mask.
+      normalisation: static, as in :func:`ppo_clip_token_loss`.
 
     Returns:
-      float32 scalar: sum_n mean_{t in mask_n} [exp(b - n) - (b - n) - 1], the
-      per-token k3 estimator of DeepSeekMath GRPO, averaged over each
-      sequence's tokens then summed over sequences, so that
+      float32 scalar: sum_n agg_{t in mask_n} [exp(b - n) - (b - n) - 1], the
+      per-token k3 estimator of DeepSeekMath GRPO (tokens from the current
+      policy, r = p_base / p_new), aggregated over each sequence's tokens like
+      the PPO loss then summed over sequences, so that
       ``ppo_clip_token_loss(...)[0] + beta * kl_to_base(...)`` is the GRPO
       objective. beta (0 by default) is applied by the caller.
     """
     chex.assert_rank([new_logp, base_logp, mask], 2)
     chex.assert_equal_shape([new_logp, base_logp, mask])
+    _check_normalisation(normalisation)
     log_ratio = jax.lax.stop_gradient(_f32(base_logp)) - _f32(new_logp)
-    return jnp.sum(masked_sequence_mean(_k3(log_ratio), mask))
+    return jnp.sum(_per_sequence(_k3(log_ratio), mask, normalisation))

@@ -70,6 +70,12 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
     for name in ("lora_lr", "router_lr"):
         if cfg.train[name] <= 0:
             raise ConfigError(f"config.train.{name}: must be > 0, got {cfg.train[name]}")
+    _positive(cfg, "train.ppo_epochs")
+    if cfg.train.max_grad_norm < 0:
+        raise ConfigError(f"config.train.max_grad_norm: must be >= 0 (0 = off), got {cfg.train.max_grad_norm}")
+    if cfg.train.loss_normalisation not in ("sequence_mean", "sequence_sum"):
+        raise ConfigError(f"config.train.loss_normalisation: must be sequence_mean or sequence_sum, "
+                          f"got {cfg.train.loss_normalisation!r}")
     if cfg.data.family not in ("scicode", "srdd"):
         raise ConfigError(f"config.data.family: must be 'scicode' or 'srdd', got {cfg.data.family!r}")
     if cfg.mode in ("solve", "plan") and not cfg.task.strip():

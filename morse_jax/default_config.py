@@ -86,9 +86,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.lora_lr = 8e-5
     c.train.router_lr = 3e-5
     c.train.weight_decay = 0.01
-    c.train.max_grad_norm = 1.0
+    # > 0: clip the LoRA and the router gradients each to this norm, separately (paper and authors'
+    # code: no clipping)
+    c.train.max_grad_norm = 0.0
     c.train.ppo_eps = 0.2
-    c.train.ppo_epochs = 1  # optimisation passes over each rollout batch (the clip acts from the 2nd)
+    c.train.ppo_epochs = 1  # optimisation passes over each rollout batch (the clip acts from the 2nd; Alg. 1: 1)
+    # per-candidate aggregation of the token terms: sequence_mean (authors' code) | sequence_sum (Eq. 7)
+    c.train.loss_normalisation = "sequence_mean"
+    # a merge call's loss also trains the inherited subtask experts (authors' code); False: only
+    # the merge role expert (Alg. 1)
+    c.train.merge_trains_subtask_experts = False
     c.train.alpha_pi = 0.15
     c.train.entropy_weight = 0.02
     c.train.orthogonality_weight = 0.05

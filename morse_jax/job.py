@@ -58,7 +58,8 @@ def bank_spec(cfg) -> ExpertBankSpec | None:
 def train_config(cfg) -> TrainConfig:
     t = cfg.train
     return TrainConfig(lora_lr=t.lora_lr, router_lr=t.router_lr, weight_decay=t.weight_decay,
-                       max_grad_norm=t.max_grad_norm or None, ppo_eps=t.ppo_eps, alpha_pi=t.alpha_pi,
+                       max_grad_norm=t.max_grad_norm or None, ppo_eps=t.ppo_eps, ppo_epochs=t.ppo_epochs,
+                       loss_normalisation=t.loss_normalisation, alpha_pi=t.alpha_pi,
                        entropy_weight=t.entropy_weight, orthogonality_weight=t.orthogonality_weight,
                        kl_beta=t.kl_beta, approx_set_logp=t.approx_set_logp, router_k=cfg.mole.top_k,
                        micro_batch=t.micro_batch, max_active=1 + cfg.mole.num_subtask,
@@ -292,9 +293,10 @@ class Job:
             t0 = time.time()
             result = self.run_tasks(tasks, "train", f"rollout {step + 1}")
             t_roll = time.time() - t0
-            seqs, routes, stats = examples_from_groups(result.groups, advantage=self.advantage,
-                                                       description_ids=self.description_ids,
-                                                       clip=cfg.train.clip_advantage, min_std=cfg.train.min_std)
+            seqs, routes, stats = examples_from_groups(
+                result.groups, advantage=self.advantage, description_ids=self.description_ids,
+                clip=cfg.train.clip_advantage, min_std=cfg.train.min_std, num_roles=self.spec.num_roles,
+                merge_trains_subtask_experts=cfg.train.merge_trains_subtask_experts)
             t0 = time.time()
             self.trainable, opt_state, m = trainer.update(self.trainable, opt_state, seqs, routes,
                                                           num_groups=max(len(result.groups), 1),

@@ -154,7 +154,8 @@ def test_update_touches_only_trainable_and_skips_constant_groups():
     cand = Cand([1, 2], [3, 4], np.zeros(2, np.float32), [0, 2], [0.5, 0.5])
     g = Group(np.ones((2, 2), np.float32), [[cand, cand], [cand, cand]], [(0, 1), (1, 2)], np.zeros(2), "1 2")
     seqs, routes, stats = examples_from_groups([g], advantage="hgrpo", description_ids=_desc_ids)
-    assert not seqs and not routes and stats.skipped_within == 1.0 and stats.skipped_cross == 1.0
+    assert not seqs and stats.skipped_within == 1.0 and stats.skipped_cross == 1.0
+    assert [r.advantage for r in routes] == [0.0, 0.0]  # kept for the regularisers, no signal
     before = jax.tree.map(np.asarray, trainable)
     trainable, opt, metrics = trainer.update(trainable, opt, seqs, routes, num_groups=1)
     assert metrics["skipped_update"] == 1.0

@@ -121,11 +121,17 @@ def init_expert_bank(key: jax.Array, cfg: ModelConfig, spec: ExpertBankSpec, dty
     return bank
 
 
-def gather_lora(bank: dict, spec: ExpertBankSpec, expert_ids: jax.Array, expert_weights: jax.Array) -> LoraInputs:
+def gather_lora(bank: dict, spec: ExpertBankSpec, expert_ids: jax.Array, expert_weights: jax.Array,
+                trainable: jax.Array | None = None) -> LoraInputs:
     """Per-row LoRA inputs for ``models.forward``.
 
     Args:
       expert_ids: int32[B, max_active]; expert_weights: float[B, max_active] (0 = padding slot).
+      trainable: bool[B, max_active] or None (all slots). A False slot's expert acts in the
+        forward pass exactly as a True one but gets no gradient from that row (a merge call's
+        inherited subtask experts, Alg. 1). With compose="onehot" the bank is shared by all rows,
+        so each expert appears twice: once live for the rows that train it, once behind
+        ``stop_gradient`` for the rows that only use it (2E experts in the delta).
     Returns:
       LoraInputs. compose="gather": a[t] [L, B, max_active, d_in, r] (each row's experts gathered);
       compose="onehot": a[t] [L, E, d_in, r] with scale [B, E] (all experts, weights scattered) —
@@ -137,17 +143,28 @@ def gather_lora(bank: dict, spec: ExpertBankSpec, expert_ids: jax.Array, expert_
     """
     chex.assert_rank([expert_ids, expert_weights], 2)
     chex.assert_equal_shape([expert_ids, expert_weights])
+    if trainable is not None:
+        chex.assert_equal_shape([expert_ids, trainable])
     in_range = (expert_ids >= 0) & (expert_ids < spec.num_experts)
     expert_ids = jnp.where(in_range, expert_ids, 0)
     w = jnp.where(in_range, expert_weights.astype(jnp.float32), 0.0) * spec.scaling
     if spec.compose == "onehot":
         onehot = jax.nn.one_hot(expert_ids, spec.num_experts, dtype=jnp.float32)  # [B, K, E]
-        scale = jnp.einsum("bk,bke->be", w, onehot)
         a = {t: jnp.swapaxes(x, 0, 1) for t, x in bank["a"].items()}  # [L, E, d_in, r]
         b = {t: jnp.swapaxes(x, 0, 1) for t, x in bank["b"].items()}
-        return LoraInputs(a=a, b=b, scale=scale)
+        if trainable is None:
+            return LoraInputs(a=a, b=b, scale=jnp.einsum("bk,bke->be", w, onehot))
+        live = trainable.astype(jnp.float32)
+        scale = jnp.concatenate([jnp.einsum("bk,bke->be", w * live, onehot),
+                                 jnp.einsum("bk,bke->be", w * (1.0 - live), onehot)], axis=-1)  # [B, 2E]
+        both = lambda x: jnp.concatenate([x, jax.lax.stop_gradient(x)], axis=1)  # noqa: E731
+        return LoraInputs(a=jax.tree.map(both, a), b=jax.tree.map(both, b), scale=scale)
     a = {t: jnp.moveaxis(x[expert_ids], 2, 0) for t, x in bank["a"].items()}  # [L, B, K, d_in, r]
     b = {t: jnp.moveaxis(x[expert_ids], 2, 0) for t, x in bank["b"].items()}
+    if trainable is not None:
+        keep = trainable[None, :, :, None, None]  # broadcast over [L, B, K, d, r]
+        a = jax.tree.map(lambda x: jnp.where(keep, x, jax.lax.stop_gradient(x)), a)
+        b = jax.tree.map(lambda x: jnp.where(keep, x, jax.lax.stop_gradient(x)), b)
     return LoraInputs(a=a, b=b, scale=w)
 
 

@@ -32,6 +32,10 @@ class SequenceExample:
     # the sampler's residual stream entering the first adapted layer at every prompt and
     # completion position, [len(prompt_ids) + len(completion_ids), d], or None (recompute it)
     prefix_states: np.ndarray | None = None
+    # per slot of expert_ids: does this example's loss train that expert? None = every slot.
+    # A merge call's inherited subtask experts act in its forward pass but are not trained by it
+    # (Alg. 1: "Merger nodes ... only update the merge role expert").
+    expert_trainable: Sequence[bool] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,17 +72,26 @@ def encode_descriptions(tokenizer: Any, descriptions: Sequence[str], max_tokens:
 
 
 def examples_from_groups(groups: Sequence[Any], *, advantage: str = "hgrpo", description_ids=None,
-                         eps: float = 1e-6, clip: float = 5.0, min_std: float = 5e-4):
+                         eps: float = 1e-6, clip: float = 5.0, min_std: float = 5e-4,
+                         num_roles: int | None = None, merge_trains_subtask_experts: bool = False):
     """Advantages per group, then flattened examples.
 
     Args:
       groups: objects with ``rewards`` float[B, M], ``candidates`` [B][M] (each with prompt_ids,
         token_ids, logprobs, expert_ids, expert_weights), ``routes`` (B tuples, empty when the
-        group has no router decision), ``route_set_logp_old`` float[B], ``description``.
+        group has no router decision), ``route_set_logp_old`` float[B], ``description`` and
+        optionally ``role`` ("execute" when absent).
       advantage: "hgrpo" or "grpo" (flat: one credit group over all B*M candidates).
       description_ids: callable description -> token ids (router input), needed when routes exist.
+      num_roles: bank expert ids below this are role experts (``ExpertBankSpec.num_roles``);
+        required when a group has role "merge".
+      merge_trains_subtask_experts: False (Alg. 1): a merge candidate trains only its role
+        expert, the inherited subtask experts are used but get no gradient from it. True: every
+        active expert (the authors' code, whose merge loss back-propagates into all of them).
     Returns:
-      (list[SequenceExample], list[RouteExample], GroupStats)
+      (list[SequenceExample], list[RouteExample], GroupStats). Every sampled route becomes a
+      RouteExample carrying its A_cross, zero included: the router's regularisers act on every
+      route's distribution whatever its advantage.
     """
     fn = get_advantage_fn(advantage)
     seqs, routes = [], []
@@ -94,22 +107,25 @@ def examples_from_groups(groups: Sequence[Any], *, advantage: str = "hgrpo", des
         if rewards.shape[0] > 1:
             n_cross += 1
             skipped_c += int(not bool(adv.cross_valid))
+        frozen_inherited = getattr(g, "role", "execute") == "merge" and not merge_trains_subtask_experts
+        if frozen_inherited and num_roles is None:
+            raise ValueError("examples_from_groups: num_roles is required for merge groups")
         for b, row in enumerate(g.candidates):
             for m, c in enumerate(row):
                 if within[b, m] == 0.0:
                     continue  # no gradient signal; skip the compute
+                trainable = tuple(int(e) < num_roles for e in c.expert_ids) if frozen_inherited else None
                 seqs.append(SequenceExample(list(c.prompt_ids), list(c.token_ids),
                                             np.asarray(c.logprobs, np.float32), list(c.expert_ids),
                                             list(c.expert_weights), float(within[b, m]),
-                                            getattr(c, "prefix_states", None)))
+                                            getattr(c, "prefix_states", None), trainable))
         if getattr(g, "routes", None) and len(g.routes) == rewards.shape[0] and g.routes[0]:
             if description_ids is None:
                 raise ValueError("examples_from_groups: description_ids is required for groups with routes")
             desc = description_ids(g.description)
             for b, members in enumerate(g.routes):
-                if cross[b] != 0.0:
-                    routes.append(RouteExample(desc, tuple(int(x) for x in members),
-                                               float(g.route_set_logp_old[b]), float(cross[b])))
+                routes.append(RouteExample(desc, tuple(int(x) for x in members),
+                                           float(g.route_set_logp_old[b]), float(cross[b])))
     flat = np.concatenate(all_rewards) if all_rewards else np.zeros(0, np.float32)
     stats = GroupStats(
         reward_mean=float(flat.mean()) if flat.size else 0.0,
@@ -136,7 +152,7 @@ def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buck
     Position t predicts token t+1; ``target_mask[n, t]`` is 1 where token t+1 was generated.
     Returns tokens int32[R, L], valid bool[R, L], targets int32[R, L], target_mask f32[R, L],
     old_logp f32[R, L], advantages f32[R] (times ``scale``), expert_ids int32[R, A],
-    expert_weights f32[R, A]. Rows beyond len(examples) are padding (zero advantage and mask).
+    expert_weights f32[R, A], expert_trainable bool[R, A]. Rows beyond len(examples) are padding (zero advantage and mask).
     With ``completion_buckets`` also logit_index int32[R, C] (each row's generated positions,
     then repeats of its last one) and logit_mask f32[R, C] (1 on real entries), C the bucket of
     the longest completion, at most L: the LM head then runs at those positions only.
@@ -152,6 +168,7 @@ def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buck
         "old_logp": np.zeros((rows, L), np.float32), "advantages": np.zeros(rows, np.float32),
         "expert_ids": np.zeros((rows, max_active), np.int32),
         "expert_weights": np.zeros((rows, max_active), np.float32),
+        "expert_trainable": np.ones((rows, max_active), bool),
     }
     for i, e in enumerate(examples):
         p, c = list(e.prompt_ids), list(e.completion_ids)
@@ -167,6 +184,7 @@ def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buck
         out["advantages"][i] = e.advantage * scale
         out["expert_ids"][i, :len(e.expert_ids)] = e.expert_ids
         out["expert_weights"][i, :len(e.expert_weights)] = e.expert_weights
+        out["expert_trainable"][i] = _trainable_slots(e, max_active)
     if with_states:
         out["states"] = _stack_states(examples, rows, L, lambda e: (0, e.prefix_states))
     if completion_buckets is not None:
@@ -180,11 +198,23 @@ def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buck
     return out
 
 
+def _trainable_slots(e: SequenceExample, max_active: int) -> np.ndarray:
+    """bool[max_active]: e.expert_trainable padded with True (padding slots carry weight 0)."""
+    out = np.ones(max_active, bool)
+    if e.expert_trainable is not None:
+        if len(e.expert_trainable) != len(e.expert_ids):
+            raise ValueError(f"expert_trainable has {len(e.expert_trainable)} slots for {len(e.expert_ids)} experts")
+        out[:len(e.expert_trainable)] = e.expert_trainable
+    return out
+
+
 def share_key(e: SequenceExample) -> tuple:
-    """Candidates with equal keys (same prompt, same active set) have identical prompt activations
-    in every layer, so :func:`pad_shared` runs their prompt once."""
+    """Candidates with equal keys (same prompt, same active set, same trained experts) have
+    identical prompt activations and gradient paths in every layer, so :func:`pad_shared` runs
+    their prompt once."""
+    trainable = None if e.expert_trainable is None else tuple(bool(t) for t in e.expert_trainable)
     return (tuple(int(t) for t in e.prompt_ids), tuple(int(x) for x in e.expert_ids),
-            tuple(float(w) for w in e.expert_weights))
+            tuple(float(w) for w in e.expert_weights), trainable)
 
 
 def group_order(examples: Sequence[SequenceExample]) -> list[int]:
@@ -203,11 +233,12 @@ def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Seque
     In an HGRPO group all B*M candidates answer one prompt and the M of a route share its experts,
     so the prompt runs B times instead of B*M.
     Returns prompt_tokens int32[P, Lp] (left-padded, so every prompt ends at slot Lp-1),
-    prompt_valid bool[P, Lp], prompt_expert_ids int32[P, A], prompt_expert_weights f32[P, A];
+    prompt_valid bool[P, Lp], prompt_expert_ids int32[P, A], prompt_expert_weights f32[P, A],
+    prompt_expert_trainable bool[P, A];
     per candidate: tokens int32[R, Lc] (its completion, right-padded; also the targets, since
     completion token j is predicted at slot j), valid bool[R, Lc], prompt_row int32[R],
     target_mask f32[R, Lc], old_logp f32[R, Lc], advantages f32[R] (times ``scale``),
-    expert_ids int32[R, A], expert_weights f32[R, A]. P is the power of two >= the number of
+    expert_ids int32[R, A], expert_weights f32[R, A], expert_trainable bool[R, A]. P is the power of two >= the number of
     distinct prompts (at most ``rows``); Lp and Lc are ``buckets`` of the longest prompt and
     completion. Padding prompt rows repeat row 0; padding candidate rows have zero mask.
     With ``with_states``: prompt_states [P, Lp, d] (left-padded like the prompts) and states
@@ -227,11 +258,13 @@ def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Seque
         "prompt_tokens": np.zeros((P, Lp), np.int32), "prompt_valid": np.zeros((P, Lp), bool),
         "prompt_expert_ids": np.zeros((P, max_active), np.int32),
         "prompt_expert_weights": np.zeros((P, max_active), np.float32),
+        "prompt_expert_trainable": np.ones((P, max_active), bool),
         "tokens": np.zeros((rows, Lc), np.int32), "valid": np.zeros((rows, Lc), bool),
         "prompt_row": np.zeros(rows, np.int32), "target_mask": np.zeros((rows, Lc), np.float32),
         "old_logp": np.zeros((rows, Lc), np.float32), "advantages": np.zeros(rows, np.float32),
         "expert_ids": np.zeros((rows, max_active), np.int32),
         "expert_weights": np.zeros((rows, max_active), np.float32),
+        "expert_trainable": np.ones((rows, max_active), bool),
     }
     for j, e in enumerate(uniq):
         p = list(e.prompt_ids)
@@ -241,8 +274,10 @@ def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Seque
         out["prompt_valid"][j, Lp - len(p):] = True
         out["prompt_expert_ids"][j, :len(e.expert_ids)] = e.expert_ids
         out["prompt_expert_weights"][j, :len(e.expert_weights)] = e.expert_weights
+        out["prompt_expert_trainable"][j] = _trainable_slots(e, max_active)
     for j in range(len(uniq), P):
-        for k in ("prompt_tokens", "prompt_valid", "prompt_expert_ids", "prompt_expert_weights"):
+        for k in ("prompt_tokens", "prompt_valid", "prompt_expert_ids", "prompt_expert_weights",
+                  "prompt_expert_trainable"):
             out[k][j] = out[k][0]
     for i, (e, j) in enumerate(zip(examples, prompt_of)):
         c = list(e.completion_ids)
@@ -256,6 +291,7 @@ def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Seque
         out["advantages"][i] = e.advantage * scale
         out["expert_ids"][i] = out["prompt_expert_ids"][j]
         out["expert_weights"][i] = out["prompt_expert_weights"][j]
+        out["expert_trainable"][i] = out["prompt_expert_trainable"][j]
     if with_states:
         ps = _stack_states(uniq, P, Lp, lambda e: (Lp - len(e.prompt_ids), e.prefix_states[:len(e.prompt_ids)]))
         ps[len(uniq):] = ps[0]

@@ -5,9 +5,15 @@ frozen backbone params are a separate argument and are never differentiated or u
 
 Loss (to minimise), per update over G groups (nodes):
   LoRA:   (1/G) * sum_candidates PPO-clip(token log-probs, behaviour log-probs; A_within)
+          aggregated per candidate by ``loss_normalisation`` (token mean or sum, rl.losses)
   router: (1/G) * alpha_pi * sum_routes [-A_cross * log pi(route set)]   (PPO-clipped on reuse)
   reg:    -w_H * mean H(pi) + w_O * ||P̂P̂ᵀ - I||²_F   (+ beta * KL(new || base), beta=0 default)
-Micro-batches of sequences are accumulated on the host (gradients are sums, so exact).
+The regularisers enter every update that runs (also when no route has a non-zero A_cross); an
+update runs when some candidate or route carries a non-zero advantage. A merge candidate's
+inherited subtask experts are in its forward pass but get no gradient from it
+(``SequenceExample.expert_trainable``). Micro-batches of sequences are accumulated on the host
+(gradients are sums, so exact). ``ppo_epochs`` passes over the same examples each take an
+optimiser step; the old log-probs stay the sampler's, so the PPO clip acts from the second pass.
 
 Cost (see bench/train_step.py): only the last L_adapt layers are differentiated (the frozen
 prefix has no tangents, so XLA neither transposes it nor keeps its activations); the LM head runs
@@ -46,8 +52,14 @@ class TrainConfig:
     lora_lr: float = 8e-5
     router_lr: float = 3e-5
     weight_decay: float = 0.01
-    max_grad_norm: float | None = 1.0
+    # clip each tree's gradient (LoRA bank, router) to this global norm, separately; None/0: off
+    # (neither the paper nor the authors' code clips)
+    max_grad_norm: float | None = None
     ppo_eps: float = 0.2
+    ppo_epochs: int = 1  # optimisation passes over each rollout batch (Alg. 1 takes one)
+    # per-candidate aggregation of the token terms: "sequence_mean" (authors' code) or
+    # "sequence_sum" (Eq. 7 as written: A * log p(y)); see rl.losses
+    loss_normalisation: str = "sequence_mean"
     ppo_eps_high: float | None = None
     alpha_pi: float = 0.15
     entropy_weight: float = rt.ENTROPY_WEIGHT
@@ -76,23 +88,29 @@ class TrainConfig:
     reuse_prefix_states: bool = True
 
     def __post_init__(self):
-        for name in ("lora_lr", "router_lr", "micro_batch", "router_k", "router_dim"):
+        for name in ("lora_lr", "router_lr", "micro_batch", "router_k", "router_dim", "ppo_epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise ValueError(f"train.max_grad_norm must be >= 0 (0: off), got {self.max_grad_norm}")
+        if self.loss_normalisation not in losses.NORMALISATIONS:
+            raise ValueError(f"train.loss_normalisation must be one of {losses.NORMALISATIONS}, "
+                             f"got {self.loss_normalisation!r}")
         if self.weight_decay < 0 or self.kl_beta < 0 or self.alpha_pi < 0:
             raise ValueError("train.weight_decay, train.kl_beta and train.alpha_pi must be >= 0")
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW per group (LoRA / router) via ``multi_transform``, after optional global-norm clipping."""
-    tx = optax.multi_transform(
-        {"lora": optax.adamw(cfg.lora_lr, weight_decay=cfg.weight_decay),
-         "router": optax.adamw(cfg.router_lr, weight_decay=cfg.weight_decay)},
-        {"bank": "lora", "router": "router"},
-    )
-    if cfg.max_grad_norm:
-        tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), tx)
-    return tx
+    """AdamW per group (LoRA / router) via ``multi_transform``; with ``max_grad_norm`` each group's
+    gradient is first clipped to that norm on its own, so a large router gradient never shrinks
+    the LoRA step (or the reverse), as two separate optimisers would behave."""
+
+    def group(lr):
+        adamw = optax.adamw(lr, weight_decay=cfg.weight_decay)
+        return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw) if cfg.max_grad_norm else adamw
+
+    return optax.multi_transform({"lora": group(cfg.lora_lr), "router": group(cfg.router_lr)},
+                                 {"bank": "lora", "router": "router"})
 
 
 def init_trainable(key: jax.Array, model_cfg: ModelConfig, spec: ExpertBankSpec, cfg: TrainConfig,
@@ -121,7 +139,7 @@ def sequence_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | Non
     start, states = _restart(batch, "states", start_layer)
     lora = None
     if spec is not None and bank is not None:
-        lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"])
+        lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"], batch.get("expert_trainable"))
     hidden, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], lora=lora, logits_mode="hidden",
                         start_layer=start, hidden=states)
     if "logit_index" not in batch:
@@ -159,7 +177,8 @@ def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None,
     start, prompt_states = _restart(batch, "prompt_states", start_layer)
     comp_states = batch["states"] if start else None  # pad_shared writes both or neither
     cache = init_cache(model_cfg, frozen, P, Lp, frozen["embed"].dtype, start_layer=start)
-    lora = gather_lora(bank, spec, batch["prompt_expert_ids"], batch["prompt_expert_weights"]) if use else None
+    lora = (gather_lora(bank, spec, batch["prompt_expert_ids"], batch["prompt_expert_weights"],
+                        batch.get("prompt_expert_trainable")) if use else None)
     h_prompt, cache = forward(frozen, model_cfg, batch["prompt_tokens"], valid=batch["prompt_valid"], cache=cache,
                               lora=lora, logits_mode="hidden", start_layer=start, hidden=prompt_states)
     rows = batch["prompt_row"]
@@ -170,7 +189,7 @@ def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None,
 
     cache = {"layers": jax.tree.map(widen, cache["layers"]),
              "valid": jnp.pad(cache["valid"][rows], ((0, 0), (0, Lc))), "index": cache["index"]}
-    lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"]) if use else None
+    lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"], batch.get("expert_trainable")) if use else None
     h_comp, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], cache=cache, lora=lora,
                         logits_mode="hidden", start_layer=start, hidden=comp_states)
     # completion token 0 is predicted at the prompt's last slot, token j at completion slot j-1
@@ -225,12 +244,14 @@ class Trainer:
         def loss_fn(bank):
             new_logp = sequence_logprobs(frozen, self.model_cfg, self.spec, bank, batch, start_layer=self.start_layer)
             mask = batch["target_mask"]
+            norm = self.cfg.loss_normalisation
             loss, m = losses.ppo_clip_token_loss(new_logp, batch["old_logp"], mask, batch["advantages"],
-                                                 eps=self.cfg.ppo_eps, eps_high=self.cfg.ppo_eps_high)
+                                                 eps=self.cfg.ppo_eps, eps_high=self.cfg.ppo_eps_high,
+                                                 normalisation=norm)
             if self.cfg.kl_beta > 0:  # base = same backbone with experts off: no extra weights copy
                 base = jax.lax.stop_gradient(sequence_logprobs(frozen, self.model_cfg, None, None, batch,
                                                                start_layer=self.start_layer))
-                kl = losses.kl_to_base(new_logp, base, mask)
+                kl = losses.kl_to_base(new_logp, base, mask, norm)
                 loss = loss + self.cfg.kl_beta * kl
                 m = {**m, "kl_to_base": kl}
             n_tok = jnp.maximum(mask.sum(), 1.0)
@@ -269,7 +290,9 @@ class Trainer:
     def _apply_impl(self, trainable, opt_state, grads):
         self.compile_count += 1
         updates, opt_state = self.tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, optax.global_norm(grads)
+        norms = {"grad_norm": optax.global_norm(grads), "grad_norm_lora": optax.global_norm(grads["bank"]),
+                 "grad_norm_router": optax.global_norm(grads["router"])}  # before any clipping
+        return optax.apply_updates(trainable, updates), opt_state, norms
 
     # ---------------------------------------------------------------- host
 
@@ -278,30 +301,54 @@ class Trainer:
 
     def update(self, trainable, opt_state, seqs: Sequence[SequenceExample], routes: Sequence[RouteExample], *,
                num_groups: int, reinforce: bool = True, progress=None):
-        """One optimiser step over all examples (micro-batched, gradients summed).
+        """``ppo_epochs`` optimiser steps over all examples (each micro-batched, gradients summed).
 
-        Returns (trainable, opt_state, metrics dict of floats). With nothing to learn from (all
-        groups skipped) the params are returned unchanged and ``metrics["skipped_update"] = 1``.
+        The router term (its regularisers included) runs in every step when the bank has subtask
+        experts, with or without route examples. Returns (trainable, opt_state, metrics dict of
+        floats; the last pass's, plus ``clip_fraction_first`` / ``ratio_mean_first`` of the first
+        pass when there are several). With nothing to learn from (no candidate and no route with a
+        non-zero advantage) the params are returned unchanged and ``metrics["skipped_update"] = 1``.
         """
+        if not seqs and not any(r.advantage != 0.0 for r in routes):
+            return trainable, opt_state, {"skipped_update": 1.0}
         scale = 1.0 / max(num_groups, 1)
-        grads, metrics, parts = None, {}, []
         shared, chunks = self._micro_batches(seqs)
         states = self._use_states(seqs)
-        for idx in chunks:
-            batch = self._pad([seqs[i] for i in idx], shared, scale, states)
+        batches = [self._pad([seqs[i] for i in idx], shared, scale, states) for idx in chunks]
+        route_batch = None
+        if self.spec.num_subtask > 0:
+            rows = next((b for b in self.cfg.route_buckets if b >= len(routes)), len(routes))
+            route_batch = pad_routes(routes, rows=rows, k=self.cfg.router_k, scale=scale)
+        first = {}
+        for epoch in range(self.cfg.ppo_epochs):
+            grads, metrics = self._gradients(trainable, batches, route_batch, reinforce=reinforce and epoch == 0,
+                                             progress=progress)
+            trainable, opt_state, norms = self._apply(trainable, opt_state, grads)
+            metrics.update(norms)
+            if epoch == 0:
+                first = metrics
+        if self.cfg.ppo_epochs > 1:
+            metrics.update({f"{k}_first": first[k] for k in ("clip_fraction", "ratio_mean") if k in first})
+        metrics["skipped_update"] = 0.0
+        out = {}
+        for k, v in metrics.items():
+            v = np.asarray(v)
+            out[k] = v.tolist() if v.ndim else float(v)
+        return trainable, opt_state, out
+
+    def _gradients(self, trainable, batches, route_batch, *, reinforce: bool, progress=None):
+        """(grads summed over the micro-batches and the router batch, metrics) at ``trainable``."""
+        grads, metrics, parts = None, {}, []
+        for batch in batches:
             g, m = self._lora_grad(trainable, self.frozen, batch)
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
             parts.append(m)
             if progress is not None:
                 progress(1)
-        if routes and self.spec.num_subtask > 0:
-            rows = next((b for b in self.cfg.route_buckets if b >= len(routes)), len(routes))
-            batch = pad_routes(routes, rows=rows, k=self.cfg.router_k, scale=scale)
-            g, m = self._router_grad(trainable, self.frozen["embed"], batch, reinforce=reinforce)
+        if route_batch is not None:
+            g, m = self._router_grad(trainable, self.frozen["embed"], route_batch, reinforce=reinforce)
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
             metrics.update({k: np.asarray(v) for k, v in m.items()})
-        if grads is None:
-            return trainable, opt_state, {"skipped_update": 1.0}
         if parts:
             tok = sum(float(p["tokens"]) for p in parts)
             metrics["lora_loss"] = sum(float(p["lora_loss"]) for p in parts)
@@ -309,14 +356,9 @@ class Trainer:
                 if k in parts[0]:
                     metrics[k] = sum(float(p[k]) * float(p["tokens"]) for p in parts) / max(tok, 1.0)
             metrics["logp_gap_max"] = max(float(p["logp_gap_max"]) for p in parts)
-        trainable, opt_state, gnorm = self._apply(trainable, opt_state, grads)
-        metrics["grad_norm"] = float(gnorm)
-        metrics["skipped_update"] = 0.0
-        out = {}
-        for k, v in metrics.items():
-            v = np.asarray(v)
-            out[k] = v.tolist() if v.ndim else float(v)
-        return trainable, opt_state, out
+        if grads is None:  # only router-less route examples: nothing to differentiate
+            grads = jax.tree.map(jnp.zeros_like, trainable)
+        return grads, metrics
 
     def _micro_batches(self, seqs: Sequence[SequenceExample]) -> tuple[bool, list[list[int]]]:
         """(shared, index lists): the prompt-sharing layout when it at least halves the prompts run

@@ -345,3 +345,16 @@ def test_train_config_maps_the_fidelity_fields():
     c.train.max_grad_norm, c.train.ppo_epochs, c.train.loss_normalisation = 0.5, 3, "sequence_sum"
     t = train_config(c)
     assert (t.max_grad_norm, t.ppo_epochs, t.loss_normalisation) == (0.5, 3, "sequence_sum")
+
+
+@pytest.mark.parametrize("field, value", [("loss_normalisation", "token_mean"), ("ppo_epochs", 0),
+                                          ("max_grad_norm", -1.0)])
+def test_bad_fidelity_fields_are_one_line_config_errors(field, value):
+    from morse_jax.configuration import ConfigError, validate_config
+    from morse_jax.default_config import get_config
+
+    c = get_config()
+    c.model.path = "embedded"
+    c.train[field] = value
+    with pytest.raises(ConfigError, match=f"config.train.{field}"):
+        validate_config(c, check_paths=False)

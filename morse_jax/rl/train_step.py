@@ -8,6 +8,9 @@ Loss (to minimise), per update over G groups (nodes):
           aggregated per candidate by ``loss_normalisation`` (token mean or sum, rl.losses)
   router: (1/G) * alpha_pi * sum_routes [-A_cross * log pi(route set)]   (PPO-clipped on reuse)
   reg:    -w_H * mean H(pi) + w_O * ||P̂P̂ᵀ - I||²_F   (+ beta * KL(new || base), beta=0 default)
+The 1/G makes a step's gradient the mean node gradient: Alg. 1 sums the nodes of one task and
+steps once per task, the authors' code steps once per node (scale 1 per node); here one step per
+``tasks_per_step`` tasks, at the per-node scale whatever the number of nodes.
 The regularisers enter every update that runs (also when no route has a non-zero A_cross); an
 update runs when some candidate or route carries a non-zero advantage. A merge candidate's
 inherited subtask experts are in its forward pass but get no gradient from it

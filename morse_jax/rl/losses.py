@@ -12,7 +12,8 @@ sum_{b,m} A[b,m] * (aggregated surrogate of candidate (b,m)) as in the sum over
 candidates of paper Eq. 7 and the flat sum over routes of Eq. 8:
 
 * ``"sequence_mean"`` (default): the mean over the candidate's generated tokens,
-  (1/|y|) sum_t; what the authors' code does (``logp_sum / gen_len``). Every
+  (1/|y|) sum_t; what the authors' code does (``logp_sum / gen_len``) and the
+  GRPO objective the paper says it follows ("Following GRPO [28]"). Every
   candidate weighs the same whatever its length.
 * ``"sequence_sum"``: the sum over its tokens, sum_t = log p(y) at ratio 1; Eq. 7
   as written (``A * log p(y | ...)``). Long candidates weigh more.

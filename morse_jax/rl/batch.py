@@ -152,7 +152,8 @@ def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buck
     Position t predicts token t+1; ``target_mask[n, t]`` is 1 where token t+1 was generated.
     Returns tokens int32[R, L], valid bool[R, L], targets int32[R, L], target_mask f32[R, L],
     old_logp f32[R, L], advantages f32[R] (times ``scale``), expert_ids int32[R, A],
-    expert_weights f32[R, A], expert_trainable bool[R, A]. Rows beyond len(examples) are padding (zero advantage and mask).
+    expert_weights f32[R, A], expert_trainable bool[R, A]. Rows beyond len(examples) are padding
+    (zero advantage and mask).
     With ``completion_buckets`` also logit_index int32[R, C] (each row's generated positions,
     then repeats of its last one) and logit_mask f32[R, C] (1 on real entries), C the bucket of
     the longest completion, at most L: the LM head then runs at those positions only.
@@ -238,8 +239,8 @@ def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Seque
     per candidate: tokens int32[R, Lc] (its completion, right-padded; also the targets, since
     completion token j is predicted at slot j), valid bool[R, Lc], prompt_row int32[R],
     target_mask f32[R, Lc], old_logp f32[R, Lc], advantages f32[R] (times ``scale``),
-    expert_ids int32[R, A], expert_weights f32[R, A], expert_trainable bool[R, A]. P is the power of two >= the number of
-    distinct prompts (at most ``rows``); Lp and Lc are ``buckets`` of the longest prompt and
+    expert_ids int32[R, A], expert_weights f32[R, A], expert_trainable bool[R, A]. P is the power of
+    two >= the number of distinct prompts (at most ``rows``); Lp and Lc are ``buckets`` of the longest prompt and
     completion. Padding prompt rows repeat row 0; padding candidate rows have zero mask.
     With ``with_states``: prompt_states [P, Lp, d] (left-padded like the prompts) and states
     [R, Lc, d] (the completion positions), from the examples' ``prefix_states``.

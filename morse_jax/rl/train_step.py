@@ -192,7 +192,8 @@ def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None,
 
     cache = {"layers": jax.tree.map(widen, cache["layers"]),
              "valid": jnp.pad(cache["valid"][rows], ((0, 0), (0, Lc))), "index": cache["index"]}
-    lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"], batch.get("expert_trainable")) if use else None
+    lora = (gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"], batch.get("expert_trainable"))
+            if use else None)
     h_comp, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], cache=cache, lora=lora,
                         logits_mode="hidden", start_layer=start, hidden=comp_states)
     # completion token 0 is predicted at the prompt's last slot, token j at completion slot j-1

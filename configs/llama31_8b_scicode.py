@@ -1,7 +1,7 @@
 """Paper config: llama31_8b on scicode (App. E hyper-parameters, see morse_jax/paper_configs.py).
 
     python -m morse_jax.main --config configs/llama31_8b_scicode.py --config.model.path=/path/to/checkpoint
-    python -m morse_jax.main --config configs/llama31_8b_scicode.py:B ...   # ablation row B (A, B, B++, C, D, single_agent)
+    python -m morse_jax.main --config configs/llama31_8b_scicode.py:B ...   # ablation row B (A, B, B++, C, D, single_agent, single_agent_rl, base)
 """
 
 from morse_jax.paper_configs import paper_config

@@ -4,7 +4,7 @@ The embedded SmolLM2-135M-Instruct GGUF, scorable SciCode development problems (
 from their ground-truth code), small B / M / token budgets, two HGRPO steps, evaluation, a
 checkpoint and a report in runs/quickstart. Running it again resumes from the checkpoint;
 add --config.fresh=True (or delete runs/quickstart) to start over. Another ablation row of the
-same loop: ``--config configs/quickstart.py:B`` (A, B, B++, C, D, single_agent, base), written to
+same loop: ``--config configs/quickstart.py:B`` (A, B, B++, C, D, single_agent, single_agent_rl, base), written to
 runs/quickstart_<variant>.
 """
 
@@ -22,6 +22,7 @@ def get_config(variant="D"):
     c.data.train_ids = ("19", "38")
     c.data.eval_ids = ("4", "19")
     c.data.tasks_per_step = 2
+    c.data.skip_slow_steps = True  # fast runs only: leave out problems with a step that takes > 15 s to score
     c.rollout.routes = 2
     c.rollout.candidates = 2
     c.rollout.max_attempts = 2

@@ -49,6 +49,26 @@ def _positive(cfg, *names):
             raise ConfigError(f"config.{n}: must be >= 1, got {v}")
 
 
+def _choice(cfg, dotted, choices):
+    group, field = dotted.split(".")
+    if cfg[group][field] not in choices:
+        raise ConfigError(f"config.{dotted}: must be one of {choices}, got {cfg[group][field]!r}")
+
+
+def _derived_objects(cfg) -> None:
+    """Build what the job derives from several fields (sampler buckets, expert bank) so their
+    constraints fail here, in one line naming the field, instead of after the weights load."""
+    from morse_jax.derived import bank_spec, sampler_config
+
+    for build, group in ((sampler_config, "sampler"), (bank_spec, "mole")):
+        try:
+            build(cfg)
+        except ValueError as e:
+            msg = str(e).splitlines()[0]
+            raise ConfigError(msg if msg.startswith("config.") else
+                              f"config.{msg}" if msg.startswith(f"{group}.") else f"config.{group}: {msg}") from e
+
+
 def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     """Raise ConfigError (one line, naming the field) unless the config is usable."""
     _walk(cfg, defaults())
@@ -61,12 +81,28 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
               "train.checkpoint_every", "data.tasks_per_step", "sampler.max_batch")
     if cfg.train.steps < 0:
         raise ConfigError(f"config.train.steps: must be >= 0, got {cfg.train.steps}")
-    if cfg.mole.top_k > cfg.mole.num_subtask and VARIANTS[cfg.variant][0] in ("mole", "flat_mole"):
+    _positive(cfg, "rollout.eval_max_attempts", "rollout.planner_max_new_tokens", "rollout.min_nodes",
+              "sampler.chunk", "mole.single_rank", "train.ppo_epochs")
+    _choice(cfg, "rollout.merge_candidates", ("routes_x_candidates", "candidates"))
+    _choice(cfg, "rollout.scicode_dag", ("chain", "planner"))
+    _choice(cfg, "srdd.completeness_mode", ("ast", "line_rule"))
+    _choice(cfg, "mole.merge_mode", ("union", "random_subset"))
+    if cfg.mole.top_k > cfg.mole.num_subtask and VARIANTS[cfg.variant].orchestration in ("mole", "flat_mole"):
         raise ConfigError(f"config.mole.top_k: {cfg.mole.top_k} exceeds config.mole.num_subtask={cfg.mole.num_subtask}")
     if cfg.sampler.cpu_kernels not in ("auto", "on", "off"):
         raise ConfigError(f"config.sampler.cpu_kernels: must be auto, on or off, got {cfg.sampler.cpu_kernels!r}")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"config.rollout.top_p: must be in (0, 1], got {cfg.rollout.top_p}")
+    for name in ("top_p", "eval_top_p"):
+        if not 0 < cfg.rollout[name] <= 1:
+            raise ConfigError(f"config.rollout.{name}: must be in (0, 1], got {cfg.rollout[name]}")
+    for name in ("temperature", "eval_temperature"):
+        if cfg.rollout[name] < 0:
+            raise ConfigError(f"config.rollout.{name}: must be >= 0, got {cfg.rollout[name]}")
+    if cfg.rollout.min_nodes > cfg.rollout.max_nodes:
+        raise ConfigError(f"config.rollout.min_nodes: {cfg.rollout.min_nodes} exceeds "
+                          f"config.rollout.max_nodes={cfg.rollout.max_nodes}")
+    if cfg.mode == "train" and VARIANTS[cfg.variant].orchestration == "none":
+        raise ConfigError(f"config.mode: variant {cfg.variant!r} has no adapters to train; use mode=eval")
+    _derived_objects(cfg)
     for name in ("lora_lr", "router_lr"):
         if cfg.train[name] <= 0:
             raise ConfigError(f"config.train.{name}: must be > 0, got {cfg.train[name]}")
@@ -85,7 +121,7 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
     if len(cfg.parallel.mesh) != 3 or any(not isinstance(v, int) or (v < 1 and v != -1) for v in cfg.parallel.mesh):
         raise ConfigError(f"config.parallel.mesh: must be 3 ints (data, fsdp, tensor), each >= 1 or -1, "
                           f"got {tuple(cfg.parallel.mesh)}")
-    if not cfg.model.path:
+    if not cfg.model.path and cfg.mode != "describe":
         raise ConfigError("config.model.path: required: an HF checkpoint directory, a .gguf file, or 'embedded'")
     if not check_paths:
         return

@@ -5,25 +5,43 @@ Override any field on the command line: ``--config.train.steps=3 --config.model.
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 
-MODES = ("train", "eval", "plan", "solve", "diagnose")
+MODES = ("train", "eval", "plan", "solve", "diagnose", "describe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What an ablation row puts on the backbone and how it credits rewards.
+
+    Whether it trains is ``config.mode`` ("train" or not) and whether it plans a DAG is
+    ``config.rollout.single_agent``: both are settings of their own, not of the variant name.
+    The overlays in VARIANT_OVERLAYS set them to the paper's rows.
+    """
+
+    orchestration: str  # mole | flat_mole | single_lora | none (tomas.rollout.VARIANTS)
+    advantage: str  # hgrpo | grpo (rl.hgrpo)
+    what: str  # one line for describe / the README
+
+
 VARIANTS = {
-    # name: (orchestrator variant, advantage fn, trains?)
-    "A": ("mole", "hgrpo", False),  # untrained MoRSE (framework only)
-    "B": ("single_lora", "grpo", True),  # one fixed LoRA, rank 24, flat GRPO
-    "B++": ("single_lora", "grpo", True),  # one fixed LoRA, rank 48, flat GRPO
-    "C": ("flat_mole", "grpo", True),  # MoLE + flat GRPO (every candidate its own route)
-    "D": ("mole", "hgrpo", True),  # MoLE + HGRPO (MoRSE)
-    "single_agent": ("mole", "hgrpo", False),  # no DAG: one call per task, same budget
-    "base": ("none", "grpo", False),  # the backbone alone, no adapters
+    "A": Variant("mole", "hgrpo", "MoRSE framework with untrained MoLE (Table 2 row A)"),
+    "B": Variant("single_lora", "grpo", "one fixed LoRA of rank mole.single_rank, flat GRPO (Table 2 row B)"),
+    "B++": Variant("single_lora", "grpo", "one fixed LoRA of rank mole.single_rank (48: total params matched)"),
+    "C": Variant("flat_mole", "grpo", "MoLE + flat GRPO, every candidate its own route (Table 2 row C)"),
+    "D": Variant("mole", "hgrpo", "MoLE + HGRPO: MoRSE (Table 2 row D)"),
+    "single_agent": Variant("none", "grpo", "the backbone alone, one call per task (Table 1 single agent)"),
+    "single_agent_rl": Variant("single_lora", "grpo", "one LoRA, one call per task, GRPO (Table 4 row 2)"),
+    "base": Variant("none", "grpo", "the backbone alone on the DAG, no adapters"),
 }
 
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.mode = "train"  # one of MODES
-    c.variant = "D"  # one of VARIANTS
+    c.variant = "D"  # one of VARIANTS: adapters and credit (training: mode; DAG or not: rollout.single_agent)
     c.workdir = "runs/default"  # checkpoints, metrics, report; an existing run there is resumed
     c.fresh = False  # True: ignore checkpoints in workdir and start over
     c.seed = 0
@@ -45,7 +63,18 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.tasks_per_step = 2  # tasks rolled out per HGRPO step
     c.data.scicode_h5 = ""  # official test_data.h5 (optional); else targets rebuilt from ground truth
     c.data.cache_dir = ""  # rebuilt SciCode targets; default <workdir>/../.cache/scicode
-    c.data.skip_slow_steps = True  # leave out SciCode steps known to take > 15 s
+    # leave out SciCode problems with a step known to take > 15 s to score (fast runs only; the
+    # paper configs use every problem); the job prints what it left out
+    c.data.skip_slow_steps = False
+
+    c.scicode = ml_collections.ConfigDict()  # SciCode family options (DESIGN §5 / README Fidelity)
+    c.scicode.binary_reward = False  # step reward 1 only when every test passes (authors' code) instead of the pass fraction
+    c.scicode.gold_context = False  # upstream steps' code in training prompts is the ground truth (authors' code), not the model's
+
+    c.srdd = ml_collections.ConfigDict()  # SRDD family options (DESIGN §5 / README Fidelity)
+    c.srdd.use_gate = True  # hard gate first (paper); False: a crashing program still earns comp/cons (authors' code)
+    c.srdd.completeness_mode = "ast"  # ast: stubs/TODOs by syntax tree | line_rule: ChatDev's line rule
+    c.srdd.planner_hint = True  # add the authors' software-project rules to the planner prompt
 
     c.mole = ml_collections.ConfigDict()
     c.mole.num_subtask = 4  # K_s
@@ -56,17 +85,18 @@ def get_config() -> ml_collections.ConfigDict:
     c.mole.top_k = 2  # K routed experts per execute call
     c.mole.compose = "gather"  # gather | onehot (see bench/lora_compose.py)
     c.mole.merge_mode = "union"  # union | random_subset
-    c.mole.single_rank = 24  # rank of the single LoRA for variant B (B++: 48)
+    c.mole.single_rank = 24  # rank of the single LoRA of variants B / B++ / single_agent_rl (the one source; B++ overlay: 48)
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.routes = 4  # B
     c.rollout.candidates = 4  # M
-    c.rollout.max_attempts = 3
-    c.rollout.temperature = 1.0
+    c.rollout.max_attempts = 3  # calls per node in training (1 + regenerations after a failed verification)
+    c.rollout.single_agent = False  # no DAG: one node holding the whole task (variants single_agent*)
+    c.rollout.temperature = 1.0  # training decoding
     c.rollout.top_p = 0.95
     c.rollout.max_new_tokens = 1024
-    c.rollout.eval_temperature = 0.0
-    c.rollout.eval_max_new_tokens = 1024
+    c.rollout.eval_temperature = 0.0  # evaluation decoding (0 = greedy; App. I: 0.2)
+    c.rollout.eval_max_new_tokens = 1024  # App. I: 8192
     c.rollout.eval_top_p = 1.0  # nucleus mass at evaluation (App. I: 0.95)
     c.rollout.eval_max_attempts = 3  # calls per node at evaluation (1 = no revision, App. I)
     # merge calls in training: "routes_x_candidates" (B x M, the same loop as execute calls, Alg. 1)
@@ -74,9 +104,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.merge_candidates = "candidates"
     c.rollout.scicode_dag = "chain"  # chain: SciCode steps in order | planner: dependencies inferred by the planner
     c.rollout.planner_max_new_tokens = 512
-    c.rollout.min_nodes = 2
+    c.rollout.min_nodes = 2  # planner bounds on the DAG size (authors' SRDD planner: 5-8)
     c.rollout.max_nodes = 8
-    c.rollout.max_replans = 2
+    c.rollout.max_replans = 2  # planner re-asks after a rejected plan before the one-node fallback
     c.rollout.planner_prefix = '{"nodes": ['  # the planner's answer starts here ("" = free-form)
     c.rollout.answer_prefix = True  # families may start answers (SciCode: the step's function header)
 
@@ -113,8 +143,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 0  # 0 = only at the end
 
     c.sampler = ml_collections.ConfigDict()
-    c.sampler.max_batch = 16
-    c.sampler.chunk = 32
+    c.sampler.max_batch = 16  # rows per sampler micro-batch (batch buckets: powers of two up to it)
+    c.sampler.chunk = 32  # decode steps between host checks (stop strings, all-done)
     # native C++ CPU kernels for decode steps (built with g++ at first use): auto | on | off
     # (auto: where they apply, XLA otherwise; see SamplerConfig.cpu_kernels)
     c.sampler.cpu_kernels = "auto"
@@ -135,7 +165,8 @@ VARIANT_OVERLAYS = {
     "B++": {"variant": "B++", "mole.single_rank": 48},
     "C": {"variant": "C"},
     "D": {"variant": "D"},
-    "single_agent": {"variant": "single_agent", "mode": "eval"},
+    "single_agent": {"variant": "single_agent", "mode": "eval", "rollout.single_agent": True},
+    "single_agent_rl": {"variant": "single_agent_rl", "mole.single_rank": 24, "rollout.single_agent": True},
     "base": {"variant": "base", "mode": "eval"},
 }
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from morse_jax import parallel as par
 from morse_jax.checkpoint import Checkpointer
-from morse_jax.default_config import VARIANTS
+from morse_jax.derived import bank_spec, memory_plan, sampler_config, train_steps, trains, variant_of
 from morse_jax.models import load_backbone
 from morse_jax.models.chat import encode_chat, stop_token_ids
 from morse_jax.models.loading import embedded_model_path
@@ -30,7 +30,7 @@ from morse_jax.mole import router as rt
 from morse_jax.mole.experts import ExpertBankSpec
 from morse_jax.rl.batch import encode_descriptions, examples_from_groups
 from morse_jax.rl.train_step import Trainer, TrainConfig, init_trainable
-from morse_jax.sampling.generate import Sampler, SamplerConfig
+from morse_jax.sampling.generate import Sampler
 from morse_jax.tasks.base import Task, VerifyResult
 from morse_jax.tomas.orchestrator import Orchestrator
 from morse_jax.tomas.rollout import OrchestratorConfig, RouteDraw, RunResult, SamplingSettings
@@ -41,18 +41,6 @@ log = logging.getLogger("morse_jax.job")
 
 def resolve_model_path(path: str) -> Path:
     return embedded_model_path() if path == "embedded" else Path(path).expanduser()
-
-
-def bank_spec(cfg) -> ExpertBankSpec | None:
-    """Expert-bank layout for the config's variant."""
-    orch_variant = VARIANTS[cfg.variant][0]
-    common = dict(n_adapt=cfg.mole.n_adapt, targets=tuple(cfg.mole.targets), compose=cfg.mole.compose)
-    if orch_variant == "none":
-        return None
-    if orch_variant == "single_lora":
-        rank = 48 if cfg.variant == "B++" else cfg.mole.single_rank
-        return ExpertBankSpec(role_names=("single",), num_subtask=0, rank=rank, alpha=2.0 * rank, **common)
-    return ExpertBankSpec(num_subtask=cfg.mole.num_subtask, rank=cfg.mole.rank, alpha=cfg.mole.alpha, **common)
 
 
 def train_config(cfg) -> TrainConfig:
@@ -74,7 +62,9 @@ class Job:
         self.workdir = Path(cfg.workdir).expanduser()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.variant = cfg.variant
-        self.orch_variant, self.advantage, self.trains = VARIANTS[cfg.variant]
+        v = variant_of(cfg)
+        self.orch_variant, self.advantage = v.orchestration, v.advantage
+        self.trains = trains(cfg)  # mode=train on a variant with adapters
         t0 = time.time()
         dtype = jnp.dtype(cfg.model.dtype)
         # with several devices the weights stay on the host until they are sharded over the mesh
@@ -101,12 +91,10 @@ class Job:
             self.trainable = self._place(init_trainable(k_init, self.backbone.config, self.spec, self.tcfg, dtype))
         max_active = 1 + (self.spec.num_subtask if self.spec is not None else 0)
         # prefix states only matter to updates, and only where a frozen prefix exists
-        states = bool(cfg.mode == "train" and self.trains and self.tcfg.reuse_prefix_states and self.spec is not None
+        states = bool(self.trains and self.tcfg.reuse_prefix_states and self.spec is not None
                       and self.spec.n_adapt < self.backbone.config.num_layers)
         self.sampler = Sampler(self.backbone, self.spec,
-                               SamplerConfig(max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk,
-                                             max_active=max(max_active, 1), return_prefix_states=states,
-                                             cpu_kernels=cfg.sampler.cpu_kernels),
+                               sampler_config(cfg, max_active=max_active, return_prefix_states=states),
                                mesh=self.mesh)
         log.info("sampler native CPU kernels: %s", self.sampler.native_kernels)
         self._trainer = None
@@ -118,11 +106,12 @@ class Job:
         self.family = None
         self.train_tasks: list[Task] = []
         self.eval_tasks: list[Task] = []
+        self.splits = []  # registry.SplitSummary per configured split
         if load_tasks:
-            from morse_jax.tasks.registry import build_family, load_task_splits
+            from morse_jax.tasks.registry import build_family, load_splits
 
             self.family = build_family(cfg, self.workdir)
-            self.train_tasks, self.eval_tasks = load_task_splits(cfg, self.family)
+            self.train_tasks, self.eval_tasks, self.splits = load_splits(cfg, self.family)
 
     def _place(self, tree):
         return tree if self.mesh is None else par.replicate(self.mesh, tree)
@@ -135,18 +124,17 @@ class Job:
 
     def memory_report(self) -> str:
         """Per-device memory estimate of this run (backbone, experts, optimizer, KV cache, activations)."""
-        r = self.cfg.rollout
-        n = max(r.max_new_tokens, r.eval_max_new_tokens)
         shape = tuple(self.mesh.devices.shape) if self.mesh is not None else (1, 1, 1)
         limit = None
         try:
             limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
         except Exception:  # CPU backends have no memory stats
             limit = None
-        plan = par.memory_plan(self.backbone.config, self.spec, "adamw", batch=self.cfg.train.micro_batch,
-                               cache_len=[p + n for p in (512, 1024, 2048)], seq_len=1024 + n, mesh_shape=shape,
-                               dtype=self.cfg.model.dtype, sample_batch=self.cfg.sampler.max_batch)
-        return plan.format(limit)
+        return memory_plan(self.cfg, self.backbone.config, self.spec, shape).format(limit)
+
+    def split_report(self) -> str:
+        """One line per split: tasks and steps used, and those left out with the reason."""
+        return "\n".join(s.line() for s in self.splits)
 
     def verify_collective(self):
         """Verification on process 0 only, results broadcast (None for a single process)."""
@@ -204,12 +192,12 @@ class Job:
     def orchestrator(self, mode: str, *, single_agent: bool | None = None) -> Orchestrator:
         r = self.cfg.rollout
         variant = self.orch_variant
-        if mode == "train" and not self.trains:
-            raise ValueError(f"config.variant={self.variant!r} does not train; use config.mode=eval")
+        if mode == "train" and self.spec is None:
+            raise ValueError(f"config.variant={self.variant!r} has no adapters to train; use config.mode=eval")
         ocfg = OrchestratorConfig(
             mode=mode, variant=variant, routes_per_node=r.routes, candidates_per_route=r.candidates,
             top_k=self.cfg.mole.top_k, max_attempts=r.max_attempts, merge_mode=self.cfg.mole.merge_mode,
-            single_agent=(self.variant == "single_agent") if single_agent is None else single_agent,
+            single_agent=self.cfg.rollout.single_agent if single_agent is None else single_agent,
             train_sampling=SamplingSettings(r.temperature, r.top_p, r.max_new_tokens),
             eval_sampling=SamplingSettings(r.eval_temperature, 1.0, r.eval_max_new_tokens),
             planner_sampling=SamplingSettings(0.0, 1.0, r.planner_max_new_tokens),
@@ -281,9 +269,7 @@ class Job:
             print(f"resumed from {ckpt.workdir} at step {start} (set --config.fresh=True to start over)")
         writer.drop_after(start, "train")
         n_tasks = len(self.train_tasks)
-        steps = cfg.train.steps
-        if cfg.train.epochs > 0:
-            steps = cfg.train.epochs * -(-n_tasks // cfg.data.tasks_per_step)
+        steps = train_steps(cfg, n_tasks)
         bar = tqdm(range(start, steps), desc=f"train {self.variant}", unit="step", initial=start, total=steps,
                    disable=None)
         last = {}

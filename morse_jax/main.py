@@ -1,7 +1,8 @@
 """CLI entry: ``python -m morse_jax.main --config configs/quickstart.py [--config.field=value ...]``.
 
 Modes (``--config.mode``): train (then eval, checkpoint, report), eval, plan (print the DAG of
-``--config.task``), solve (run ``--config.task`` end to end and print the artifacts), diagnose.
+``--config.task``), solve (run ``--config.task`` end to end and print the artifacts), diagnose,
+describe (what the run would do, without loading weights).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def run(cfg) -> int:
 
     from morse_jax.parallel import barrier, is_coordinator
 
+    if cfg.mode == "describe":  # reads no weights and writes nothing
+        from morse_jax.describe import describe
+
+        print(describe(cfg))
+        return 0
     t_start = time.time()
     workdir = Path(cfg.workdir).expanduser()
     lead = is_coordinator()  # process 0 of a multi-process run writes files and prints
@@ -50,6 +56,7 @@ def run(cfg) -> int:
     job = Job(cfg)
     print(f"morse_jax: {cfg.mode} variant={cfg.variant} model={job.backbone.source} "
           f"train_tasks={len(job.train_tasks)} eval_tasks={len(job.eval_tasks)} workdir={workdir}")
+    print(job.split_report())
     if lead:
         print(job.memory_report())
     writer = MetricsWriter(workdir, enabled=lead)
@@ -139,9 +146,9 @@ def _solve(cfg, *, plan_only: bool) -> int:
             raise SystemExit(f"config error: config.task: {text!r} is not a scorable problem of "
                              f"config.data.eval={cfg.data.eval!r} ({e})") from e
     else:
-        from morse_jax.tasks.srdd import SRDDFamily
+        from morse_jax.tasks.registry import srdd_family
 
-        job.family = SRDDFamily()  # a free-text task is a software task: SRDD prompts and gated reward
+        job.family = srdd_family(cfg)  # a free-text task is a software task: SRDD prompts and gated reward
         task = Task(task_id="task", description=text, family=job.family.name)
     orch = job.orchestrator("eval")
     if plan_only:
@@ -167,7 +174,7 @@ def main(argv):
     del argv
     cfg = _CONFIG.value
     try:
-        validate_config(cfg)
+        validate_config(cfg, check_paths=cfg.mode != "describe")  # describe says what is missing
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

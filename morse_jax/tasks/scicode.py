@@ -100,6 +100,11 @@ class SciCodeFamily:
         """The steps as a chain; ``planner.plan_with_fixed_nodes(step_pairs(...))`` may infer a DAG."""
         return scicode_plan(step_pairs(self._problem(task)))
 
+    def single_agent_plan(self, task: Task) -> Plan:
+        """Single-agent mode (the orchestrator's hook): one call per step in order, SciCode's own
+        protocol; a step is the smallest unit the tests score, so the whole problem cannot be one node."""
+        return scicode_plan(step_pairs(self._problem(task)))
+
     def _upstream(self, problem: Problem, step: Step, context: str) -> str:
         if self.gold_context:
             return gold_upstream(problem, step.step_id)

@@ -33,7 +33,9 @@ def model_config_without_weights(path: str):
         return from_hf_config(gguf_meta.hf_config(p)), f"{p.name} metadata"
     if not (p / "config.json").is_file():
         raise ValueError(f"{p}/config.json does not exist")
-    from transformers import AutoConfig
+    from morse_jax.models.hf_import import import_transformers
+
+    AutoConfig = import_transformers().AutoConfig
 
     return from_hf_config(AutoConfig.from_pretrained(str(p), local_files_only=True)), f"{p}/config.json"
 

@@ -82,7 +82,7 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
     if cfg.train.steps < 0:
         raise ConfigError(f"config.train.steps: must be >= 0, got {cfg.train.steps}")
     _positive(cfg, "rollout.eval_max_attempts", "rollout.planner_max_new_tokens", "rollout.min_nodes",
-              "sampler.chunk", "mole.single_rank", "train.ppo_epochs")
+              "sampler.chunk", "mole.single_rank")
     _choice(cfg, "rollout.merge_candidates", ("routes_x_candidates", "candidates"))
     _choice(cfg, "rollout.scicode_dag", ("chain", "planner"))
     _choice(cfg, "srdd.completeness_mode", ("ast", "line_rule"))

@@ -9,10 +9,12 @@ live in one module per concept (split to keep files under ~500 lines):
   validation (``Problem``, ``Step``, ``load_problems``, ``load_split``, ``SPLITS``).
 * :mod:`~morse_jax.tasks.scicode_code` -- code from a reply (``extract_code``), the gate
   (``check_gate``), cumulative artifacts (``join_program``, ``split_program``, ``gold_upstream``).
-* :mod:`~morse_jax.tasks.scicode_harness` -- the in-sandbox test harness and its report
+* :mod:`~morse_jax.tasks.scicode_compare` -- each test split into a sandbox half (computes and
+  records values) and a trusted half (the comparisons, made in this process): ``split_test``,
+  ``check_test``, ``recorded_target``.
+* :mod:`~morse_jax.tasks.scicode_harness` -- one sandbox run per step and its report
   (``run_step_tests``, ``StepReport``, ``ExecLimits``).
-* :mod:`~morse_jax.tasks.scicode_targets` -- test targets (``H5Targets``, ``RebuiltTargets``,
-  ``recording_test``).
+* :mod:`~morse_jax.tasks.scicode_targets` -- test targets (``H5Targets``, ``RebuiltTargets``).
 
 Re-exported names are the same objects, but code reads them from the module that defines them:
 to monkeypatch one (e.g. ``run_step_tests`` for ``RebuiltTargets``), patch that module.
@@ -22,7 +24,8 @@ Design points:
 * Problems come from the PyPI package ``nvidia-scicode`` or a JSONL file in its format; steps
   without tests carry code supplied by the benchmark and are not plan nodes.
 * Targets come from the official ``test_data.h5`` or are rebuilt by running the ground-truth code
-  in the sandbox (cached on disk); they stay pickled bytes in this process.
+  in the sandbox (cached on disk, data-only format). They never enter a sandbox: the candidate's
+  run only computes and records values; every comparison with a target happens in this process.
 * A SciCode artifact is the program so far: the upstream code, a marker line, then this step's
   code. Artifacts are cumulative because the orchestrator hands a node only its parents'
   artifacts, while a step may call any earlier step's function.
@@ -44,10 +47,11 @@ from morse_jax.tasks.scicode_code import check_gate, extract_code, gold_upstream
 from morse_jax.tasks.scicode_data import (PACKAGE_SOURCES, SLOW_STEPS, SPLITS, Problem, SciCodeDataError, Step,
                                           load_problems, load_split, package_data_dir, problem_to_task,
                                           split_path, summarize)
-from morse_jax.tasks.scicode_harness import (HARNESS_VERSION, ExecLimits, StepReport, _parse_report,
-                                             _prepare_test, _step_job, run_step_tests, step_program)
+from morse_jax.tasks.scicode_compare import SplitTest, TestRewriteError, check_test, recorded_target, split_test
+from morse_jax.tasks.scicode_harness import (HARNESS_VERSION, ExecLimits, StepReport, _prepare_test, _report,
+                                             _step_job, prepared_tests, run_step_tests, step_program)
 from morse_jax.tasks.scicode_targets import (H5Targets, RebuiltTargets, TargetRebuildError, TargetSource,
-                                             default_cache_dir, recording_test)
+                                             default_cache_dir)
 from morse_jax.tomas.plan import Plan, PlanNode
 from morse_jax.tomas.planner import scicode_plan
 
@@ -208,20 +212,23 @@ class SciCodeFamily:
                 jobs.append(self._job(problem, step, art))
                 waiting.append(i)
         if jobs:
+            tests = prepared_tests(step.test_cases, f"step {step.step_id} ")
+            targets = self.targets.step_targets(problem, step)
             results = sandbox.run_many([j for j, _ in jobs], max_workers=max_workers)
             for i, (_, nonce), res in zip(waiting, jobs, results):
-                out[i] = self._result(_parse_report(res, nonce, len(step.test_cases), False))
+                out[i] = self._result(_report(res, nonce, tests, targets))
         return out
 
     def _job(self, problem: Problem, step: Step, artifact: str):
-        targets = self.targets.step_targets(problem, step)
-        tests = [_prepare_test(t) for t in step.test_cases]
-        return _step_job(step_program(problem, artifact), tests, self.limits, targets)
+        tests = prepared_tests(step.test_cases, f"step {step.step_id} ")
+        return _step_job(step_program(problem, artifact), tests, self.limits)
 
     def score(self, problem: Problem, step: Step, artifact: str) -> StepReport:
         """Run the step's unit tests on an artifact (no gate); for evaluation and debugging."""
         job, nonce = self._job(problem, step, artifact)
-        return _parse_report(sandbox.run_python(**dataclasses.asdict(job)), nonce, len(step.test_cases), False)
+        tests = prepared_tests(step.test_cases, f"step {step.step_id} ")
+        return _report(sandbox.run_python(**dataclasses.asdict(job)), nonce, tests,
+                       self.targets.step_targets(problem, step))
 
 
 def step_pairs(problem: Problem) -> list[tuple[str, str]]:

@@ -4,85 +4,29 @@ Split out of :mod:`morse_jax.tasks.scicode`, which re-exports every public name 
 
 * :class:`H5Targets` reads the official ``test_data.h5``.
 * :class:`RebuiltTargets` runs the ground-truth code (plus upstream ground truth) on the test
-  inputs in the sandbox, with each test rewritten by :func:`recording_test` to record the value
-  it compares against ``target``; results are cached on disk.
+  inputs in the sandbox, recording the values each assert compares (the same sandbox half of
+  the tests that scoring runs), and takes as target the value compared with ``target``; results
+  are cached on disk in the data-only wire format (never pickle).
 
-Targets stay pickled bytes in this process; only the sandbox unpickles them.
+Targets live only in this process: they never enter a sandbox (comparisons happen here).
 """
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import os
-import pickle
 import re
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from morse_jax.tasks.scicode_code import gold_upstream, join_program
 from morse_jax.tasks.scicode_data import Problem, Step
-from morse_jax.tasks.scicode_harness import (HARNESS_VERSION, ExecLimits, _prepare_test, run_step_tests,
-                                             step_program)
-
-# --------------------------------------------------------------------------------------------
-# Recording: tests rewritten so that the ground truth reports the values they compare
-
+from morse_jax.tasks import wire_format
+from morse_jax.tasks.scicode_compare import TestRewriteError
+from morse_jax.tasks.scicode_harness import HARNESS_VERSION, ExecLimits, prepared_tests, run_step_tests, step_program
 
 class TargetRebuildError(RuntimeError):
     """The target of a test cannot be rebuilt from ground truth (use the official test_data.h5)."""
-
-
-def _target_key(node: ast.AST) -> tuple[bool, int | None]:
-    if isinstance(node, ast.Name) and node.id == "target":
-        return True, None
-    if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "target"
-            and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int)):
-        return True, node.slice.value
-    return False, None
-
-
-def _record_sites(test: ast.expr) -> list[tuple[int | None, ast.expr]]:
-    """(key, expression compared with target or target[key]) for each comparison in an assert."""
-    sites = []
-    for sub in ast.walk(test):
-        pair = None
-        if isinstance(sub, ast.Call) and not sub.keywords and len(sub.args) == 2:
-            pair = sub.args
-        elif isinstance(sub, ast.Compare) and len(sub.ops) == 1 and isinstance(sub.ops[0], ast.Eq):
-            pair = [sub.left, sub.comparators[0]]
-        if pair:
-            keys = [_target_key(x) for x in pair]
-            if keys[0][0] != keys[1][0]:
-                i = 0 if keys[0][0] else 1
-                sites.append((keys[i][1], pair[1 - i]))
-    return sites
-
-
-def recording_test(code: str, where: str) -> str:
-    """Rewrite a test so each ``cmp(expr, target[i])`` records ``expr`` as target (index i).
-
-    Covers ``np.allclose(x, target)``, ``cmp_tuple_or_list(x, target)``, ``x == target`` and
-    ``... target[0] ... and ... target[1]``; asserts without ``target`` run unchanged. Anything
-    else that reads ``target`` raises :class:`TargetRebuildError`.
-    """
-    tree = ast.parse(_prepare_test(code))
-
-    class _Rewrite(ast.NodeTransformer):
-        def visit_Assert(self, node: ast.Assert):
-            n_refs = sum(isinstance(x, ast.Name) and x.id == "target" for x in ast.walk(node.test))
-            if not n_refs:
-                return node
-            sites = _record_sites(node.test)
-            if len(sites) != n_refs:
-                raise TargetRebuildError(f"{where}: cannot infer the target from `{ast.unparse(node)[:120]}`")
-            return [ast.Expr(ast.Call(ast.Name("__record__", ast.Load()), [ast.Constant(k), e], []))
-                    for k, e in sites]
-
-    tree = ast.fix_missing_locations(_Rewrite().visit(tree))
-    if any(isinstance(x, ast.Name) and x.id == "target" for x in ast.walk(tree)):
-        raise TargetRebuildError(f"{where}: reads `target` outside an assert")
-    return ast.unparse(tree)
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,8 +36,8 @@ def recording_test(code: str, where: str) -> str:
 class TargetSource(Protocol):
     def can_score(self, problem: Problem, step: Step) -> bool: ...
 
-    def step_targets(self, problem: Problem, step: Step) -> tuple[bytes | None, ...]:
-        """One pickled target per test case of ``step`` (None where a test needs none)."""
+    def step_targets(self, problem: Problem, step: Step) -> tuple[Any, ...]:
+        """The target of each test case of ``step`` (None where a test needs none)."""
 
 
 class H5Targets:
@@ -113,14 +57,14 @@ class H5Targets:
         with self._h5py.File(self.path, "r") as f:
             return all(f"{step.step_id}/test{k + 1}" in f for k in range(len(step.test_cases)))
 
-    def step_targets(self, problem: Problem, step: Step) -> tuple[bytes | None, ...]:
+    def step_targets(self, problem: Problem, step: Step) -> tuple[Any, ...]:
         out = []
         with self._h5py.File(self.path, "r") as f:
             for k in range(len(step.test_cases)):
                 path = f"{step.step_id}/test{k + 1}"
                 if path not in f:
                     raise KeyError(f"{self.path}: no group {path}")
-                out.append(pickle.dumps(self._test_value(f[path]), protocol=4))
+                out.append(self._test_value(f[path]))
         return tuple(out)
 
     # The layout read here is the one SciCode's own reader expects: a test group holds one
@@ -175,7 +119,7 @@ def default_cache_dir() -> Path:
 class RebuiltTargets:
     """Targets rebuilt by running the ground truth (plus upstream ground truth) on the test inputs.
 
-    Cached per test under ``cache_dir/<problem>/<step>/test<k>-<hash>.pkl``; the hash covers the
+    Cached per test under ``cache_dir/<problem>/<step>/test<k>-<hash>.json`` (wire format); the hash covers the
     program, the test code and the harness, so edited data never reads a stale target.
     Only problems with ground-truth code (the 15 development problems) can be scored this way.
     """
@@ -198,19 +142,22 @@ class RebuiltTargets:
         paths = []
         for k, t in enumerate(step.test_cases):
             h = hashlib.sha256("\0".join([HARNESS_VERSION, program, t]).encode()).hexdigest()[:16]
-            paths.append(d / f"test{k + 1}-{h}.pkl")
+            paths.append(d / f"test{k + 1}-{h}.json")
         return program, paths
 
-    def step_targets(self, problem: Problem, step: Step) -> tuple[bytes | None, ...]:
+    def step_targets(self, problem: Problem, step: Step) -> tuple[Any, ...]:
         if not self.can_score(problem, step):
             raise TargetRebuildError(f"step {step.step_id}: no ground-truth code to rebuild targets "
                                      f"from; provide the official test_data.h5")
         program, paths = self._paths(problem, step)
         if all(p.is_file() for p in paths):
             self.hits += 1
-            return tuple(p.read_bytes() for p in paths)
-        tests = [recording_test(t, f"step {step.step_id} test {k + 1}") for k, t in enumerate(step.test_cases)]
-        rep = run_step_tests(program, tests, self.limits)
+            return tuple(wire_format.loads(p.read_text(encoding="utf-8"), 1 << 40) for p in paths)
+        try:
+            tests = prepared_tests(step.test_cases, f"step {step.step_id} ")
+        except TestRewriteError as e:
+            raise TargetRebuildError(str(e)) from None
+        rep = run_step_tests(program, tests, self.limits, where=f"step {step.step_id} ")
         self.builds += 1
         if rep.program_error:
             raise TargetRebuildError(f"step {step.step_id}: ground-truth program failed: {rep.program_error}")
@@ -218,9 +165,9 @@ class RebuiltTargets:
             if err:
                 raise TargetRebuildError(f"step {step.step_id} test {k + 1}: ground truth failed: {err}")
         paths[0].parent.mkdir(parents=True, exist_ok=True)
-        for p, blob in zip(paths, rep.targets):
+        for p, value in zip(paths, rep.targets):
             tmp = p.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(blob)
+            tmp.write_text(wire_format.dumps(value), encoding="utf-8")
             os.replace(tmp, p)  # atomic: concurrent builders never read a half-written target
         return rep.targets
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -155,22 +154,55 @@ def test_gate_diagnostics(dev):
     assert "`class Box`" in sc.check_gate("def Box(n):\n    return n\n", cls)
 
 
-def test_recording_test_rewrites_target_comparisons():
-    r = sc.recording_test("x = 1\nassert np.allclose(f(x), target)", "t")
-    assert "__record__(None, f(x))" in r and "assert" not in r
-    r = sc.recording_test("assert np.allclose(g(1)[0], target[0]) and np.allclose(g(1)[1], target[1])", "t")
-    assert "__record__(0, g(1)[0])" in r and "__record__(1, g(1)[1])" in r
-    r = sc.recording_test("assert (np.isclose(a, b), h(c)) == target", "t")
-    assert "__record__(None, (np.isclose(a, b), h(c)))" in r
-    r = sc.recording_test("from scicode.compare.cmp import cmp_tuple_or_list\n"
-                          "assert cmp_tuple_or_list(k(2), target)", "t")
-    assert "scicode" not in r and "__record__(None, k(2))" in r
-    inline = "def t():\n    assert np.allclose(out, expected), 'failed'\nt()"
-    assert "assert np.allclose(out, expected)" in sc.recording_test(inline, "t")
-    with pytest.raises(sc.TargetRebuildError, match="step 9.9 test 2"):
-        sc.recording_test("a, b = target\nassert a == 1", "step 9.9 test 2")
-    with pytest.raises(sc.TargetRebuildError):
-        sc.recording_test("assert np.isclose(x, (0, 1)).any() == target.any()", "t")
+def _decide(test, events, target, error=""):
+    """check_test on hand-made recorded events (what the sandbox half would report)."""
+    return sc.check_test(sc.split_test(test, "t"), sc.sandbox_record.CaseRecord(error, tuple(events)), target)
+
+
+def test_split_test_keeps_values_in_the_sandbox_and_comparisons_here():
+    s = sc.split_test("x = 1\nassert np.allclose(f(x), target)", "t")
+    assert "__record__(0, f(x))" in s.sandbox_code and "assert" not in s.sandbox_code
+    assert "target" not in s.sandbox_code and "allclose" not in s.sandbox_code
+    # np.allclose semantics (rtol 1e-5, atol 1e-8), evaluated here on the recorded value
+    assert _decide("assert np.allclose(f(x), target)", [(0, (np.array([1.0, 2.0]),))], np.array([1.0, 2.00001])) == ""
+    assert "failed" in _decide("assert np.allclose(f(x), target)", [(0, (np.array([1.0, 2.1]),))], np.array([1.0, 2.0]))
+    s = sc.split_test("assert np.allclose(g(1)[0], target[0]) and np.allclose(g(1)[1], target[1])", "t")
+    assert "__record__(0, g(1)[0], g(1)[1])" in s.sandbox_code
+    assert _decide("assert np.allclose(g(1)[0], target[0]) and np.allclose(g(1)[1], target[1])",
+                   [(0, (1.0, 2.0))], (1.0, 2.0)) == ""
+    # comparisons inside a compared tuple are made here too: np.isclose is not the sandbox's
+    s = sc.split_test("assert (np.isclose(a, b), h(c)) == target", "t")
+    assert "__record__(0, a, b, h(c))" in s.sandbox_code
+    assert _decide("assert (np.isclose(a, b), h(c)) == target", [(0, (1.0, 1.5, 3))], (True, 3)).endswith("failed")
+    s = sc.split_test("from scicode.compare.cmp import cmp_tuple_or_list\nassert cmp_tuple_or_list(k(2), target)", "t")
+    assert "scicode" not in s.sandbox_code and "__record__(0, k(2))" in s.sandbox_code
+    assert _decide("assert cmp_tuple_or_list(k(2), target)", [(0, ([1.0, {"a": 2.0}],))], [1.0, {"a": 2.0}]) == ""
+    # the test's own comparator runs here on the recorded value and the target
+    own = "def same(a, b):\n    return a.shape == b.shape\nassert same(f(1), target)"
+    assert "def same" in sc.split_test(own, "t").comparators
+    assert _decide(own, [(0, (np.zeros(3),))], np.ones(3)) == ""
+    assert _decide(own, [(0, (np.zeros(2),))], np.ones(3)).endswith("failed")
+    # an assert that reads target must run; the test must run to its end
+    loop = "for v in f():\n    assert np.allclose(v, target)"
+    assert "never ran" in _decide(loop, [], 1.0)
+    assert _decide(loop, [(0, (1.0,))], 1.0, error="ZeroDivisionError") == "ZeroDivisionError"
+    with pytest.raises(sc.TestRewriteError, match="outside an assert"):
+        sc.split_test("a, b = target\nassert a == 1", "step 9.9 test 2")
+    with pytest.raises(sc.TestRewriteError, match="reads `target`"):
+        sc.split_test("assert np.allclose(f(target), 1)", "t")
+
+
+def test_rebuilt_target_is_the_compared_value():
+    for test, events, want in [("assert np.allclose(f(x), target)", [(0, (2.5,))], 2.5),
+                               ("assert f(0) == target[0] and np.allclose(f(1), target[1])", [(0, (1, 2.0))], (1, 2.0)),
+                               ("for i in range(2):\n    assert g(i) == target", [(0, (0,)), (0, (7,))], 7),
+                               ("assert (np.isclose(a, b), h) == target", [(0, (1.0, 1.0, "x"))], (True, "x"))]:
+        split = sc.split_test(test, "t")
+        got = sc.recorded_target(split, sc.sandbox_record.CaseRecord("", tuple(events)), "t")
+        assert type(got) is type(want) and got == want, (test, got)
+    with pytest.raises(sc.TestRewriteError, match="cannot infer"):
+        sc.recorded_target(sc.split_test("assert np.isclose(x, (0, 1)).any() == target.any()", "t"),
+                           sc.sandbox_record.CaseRecord("", ((0, (1.0,)),)), "t")
 
 
 def test_fixed_plan_and_messages(dev):
@@ -283,8 +315,11 @@ def test_target_cache_hit_on_second_call(dev, tmp_path):
     blobs = first.step_targets(p, step)
     assert (first.builds, first.hits) == (1, 0) and len(blobs) == 3
     second = sc.RebuiltTargets(tmp_path)
-    assert second.step_targets(p, step) == blobs and (second.builds, second.hits) == (0, 1)
-    assert isinstance(pickle.loads(blobs[0]), np.ndarray)
+    again = second.step_targets(p, step)
+    assert (second.builds, second.hits) == (0, 1)
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(again, blobs))
+    assert isinstance(blobs[0], np.ndarray)
+    assert [p.suffix for p in tmp_path.rglob("test*")] == [".json"] * 3  # data-only cache, no pickle
     edited = dataclasses.replace(step, test_cases=(step.test_cases[0].replace("tol = 10e-5", "tol = 10e-6"),)
                                  + step.test_cases[1:])
     assert edited.test_cases != step.test_cases  # the edit must change the test to exercise the hash
@@ -297,8 +332,7 @@ def test_h5_targets_official_layout(dev, targets, tmp_path):
     path = tmp_path / "test_data.h5"
     with h5py.File(path, "w") as f:
         for sid in ("10.1", "10.3"):
-            for k, blob in enumerate(targets.step_targets(p, p.step(sid))):
-                value = pickle.loads(blob)
+            for k, value in enumerate(targets.step_targets(p, p.step(sid))):
                 vals = value if isinstance(value, tuple) else (value,)
                 for j, v in enumerate(vals):
                     f.create_dataset(f"{sid}/test{k + 1}/var{j + 1}", data=np.asarray(v))
@@ -318,7 +352,7 @@ def test_h5_targets_official_layout(dev, targets, tmp_path):
         assert fam.score(p, p.step(sid), gold_artifact(p, sid)).pass_fraction == 1.0
     assert not src.can_score(p, p.step("10.2"))
     fake = dataclasses.replace(p.step("10.1"), step_id="99.1", test_cases=("", ""))
-    lst, (dct, sparse) = (pickle.loads(b) for b in src.step_targets(p, fake))
+    lst, (dct, sparse) = src.step_targets(p, fake)
     assert np.array_equal(lst[0], np.arange(3)) and lst[1] == b"abc"
     assert dct == {0.5: 2.0, "name": "x"} and np.array_equal(sparse.toarray(), np.eye(2) * [1.0, 2.0])
 

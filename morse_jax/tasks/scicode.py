@@ -41,7 +41,7 @@ import collections
 import dataclasses
 from typing import Sequence
 
-from morse_jax.tasks import sandbox
+from morse_jax.tasks import sandbox, sandbox_record  # noqa: F401 (re-exported)
 from morse_jax.tasks.base import Message, Task, VerifyResult
 from morse_jax.tasks.scicode_code import check_gate, extract_code, gold_upstream, join_program, split_program
 from morse_jax.tasks.scicode_data import (PACKAGE_SOURCES, SLOW_STEPS, SPLITS, Problem, SciCodeDataError, Step,

@@ -209,7 +209,7 @@ def test_no_network_no_home_unprivileged():
             "    print('net: blocked')\n"
             "print('uid', os.getuid(), os.geteuid())\n"
             "print('cwd', os.getcwd(), os.environ['HOME'])\n"
-            "print('secrets', [p for p in os.listdir(os.path.expanduser('~root'))"
+            "print('secrets', [p for p in os.listdir('/root')"
             " if p not in ('.pyenv', '.local')])\n")
     r = run_python(code, mode="bwrap")
     assert r.ok, r.stderr
@@ -219,7 +219,52 @@ def test_no_network_no_home_unprivileged():
         uid = int(out[1].split()[1])
         assert uid in sandbox.UID_POOL and out[1] == f"uid {uid} {uid}"
     assert out[2] == f"cwd {sandbox.INNER_WORK} {sandbox.INNER_WORK}"
-    assert out[3] == "secrets []"  # the parent's home is an empty tmpfs inside
+    assert out[3] == "secrets []"  # only the interpreter's own prefix is bound under the home
+
+
+@needs_bwrap
+def test_minimal_view_hides_host_files_checkout_and_loopback():
+    """Generated code cannot open a world-readable file made outside the sandbox, cannot list
+    the project checkout, cannot reach a listener on 127.0.0.1; numpy/scipy/sympy still import."""
+    import socket
+
+    secret_dir = Path(tempfile.mkdtemp(prefix="sbx-host-", dir="/var/tmp"))
+    secret = secret_dir / "data.jsonl"
+    secret.write_text("expected values\n")
+    os.chmod(secret_dir, 0o755)
+    os.chmod(secret, 0o644)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    code = ("import os, socket, sys\n"
+            "import numpy, scipy.sparse, sympy\n"
+            "def probe(what, f):\n"
+            "    try:\n"
+            "        f()\n"
+            "        print(what, 'REACHED')\n"
+            "    except OSError as e:\n"
+            "        print(what, 'denied', type(e).__name__)\n"
+            "probe('file', lambda: open(sys.argv[1]).read())\n"
+            "probe('checkout', lambda: os.listdir(sys.argv[2]))\n"
+            "probe('readme', lambda: open(os.path.join(sys.argv[2], 'README.md')).read())\n"
+            "probe('passwd', lambda: open('/etc/passwd').read())\n"
+            "probe('loopback', lambda: socket.create_connection(('127.0.0.1', int(sys.argv[3])), timeout=2))\n"
+            "print('root', sorted(os.listdir('/')))\n")
+    try:
+        r = run_python(code, args=[str(secret), str(REPO), str(port)], mode="bwrap")
+        assert r.ok, r.stderr
+        lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+        for what in ("file", "checkout", "readme", "passwd", "loopback"):
+            assert lines[what].startswith("denied"), (what, lines[what])
+        listener.settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            listener.accept()
+        # only system dirs, the interpreter's place and the run's own /tmp, /dev, /proc exist
+        assert "var" not in lines["root"] and "home" not in lines["root"], lines["root"]
+    finally:
+        listener.close()
+        shutil.rmtree(secret_dir)
 
 
 @needs_bwrap

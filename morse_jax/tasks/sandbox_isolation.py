@@ -6,8 +6,9 @@ program; :mod:`~morse_jax.tasks.sandbox_process` runs one.
 
 * :class:`_Limits` -> the rlimits set in the forked child (:func:`_preexec`).
 * :func:`_child_env`: the minimal environment (no inherited secrets, tokens or proxies).
-* :func:`_bwrap_argv`: the bubblewrap command line (read-only ``/``, tmpfs homes with the
-  interpreter's own prefix re-bound, the run directory as ``/tmp``, no network).
+* :func:`_bwrap_argv`: the bubblewrap command line: a minimal filesystem view (system
+  libraries, the interpreter's prefixes and site-packages as discovered by :func:`_interp_info`,
+  fresh /dev and /proc, the run directory as ``/tmp``, nothing else of the host), no network.
 * Per-run uids from ``UID_POOL``, each held through a lock file (:func:`_acquire_uid`), and
   killed as a whole after the run (:func:`_kill_uid`).
 * ``_cache``: probe results per interpreter and the warnings already given (process-wide state;
@@ -111,18 +112,42 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=5)  # the caller of run_python
 
 
-def _interp_info(python: str) -> tuple[str, list[str]]:
-    """(sys.version, directories the interpreter needs), from running it as ourselves."""
+# The host's system software (loader, libc, shared libraries, setpriv), read-only; /usr/local is
+# masked (other interpreters, tools, caches live there) unless the interpreter itself lives there.
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
+                 "/etc/localtime")
+_MASKED_DIRS = ("/usr/local",)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Interp:
+    version: str  # sys.version, to check that the sandboxed interpreter is the same one
+    needed: tuple[str, ...]  # what it reads: prefixes, executable dirs, site-packages
+    hidden: tuple[str, ...]  # inside ``needed`` but not on its path: a base site-packages
+
+
+def _interp_info(python: str) -> _Interp:
+    """What the interpreter needs to run, from running it as ourselves (discovered, not assumed:
+    the venv may live anywhere, e.g. a CI checkout under /tmp)."""
     def compute():
-        script = ("import json, os, sys; print(json.dumps([sys.version, sys.prefix, "
-                  "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]))")
+        script = ("import json, site, sys, sysconfig\n"
+                  "p = sysconfig.get_paths()\n"
+                  "print(json.dumps([sys.version, [sys.prefix, sys.base_prefix, sys.exec_prefix, "
+                  "sys.base_exec_prefix, p['stdlib'], p['platstdlib'], p['purelib'], p['platlib'], "
+                  "*site.getsitepackages()], sys.path, "
+                  "[sysconfig.get_paths(vars={'base': sys.base_prefix, 'platbase': sys.base_prefix})[k] "
+                  "for k in ('purelib', 'platlib')]]))")
         out = subprocess.run([python, "-s", "-c", script], capture_output=True, text=True,
                              env={"PATH": "/usr/bin:/bin"}, stdin=subprocess.DEVNULL, timeout=60)
         if out.returncode != 0:
             raise RuntimeError(f"run_python: python {python!r} does not run: {out.stderr[-500:]}")
-        version, *paths = json.loads(out.stdout)
+        version, paths, sys_path, base_site = json.loads(out.stdout)
         paths += [os.path.dirname(python), os.path.dirname(os.path.realpath(python))]
-        return version, sorted({q for p in paths for q in (p, os.path.realpath(p)) if os.path.isdir(q)})
+        needed = sorted({q for p in paths for q in (p, os.path.realpath(p)) if os.path.isdir(q)})
+        on_path = {os.path.realpath(p) for p in sys_path if p}
+        hidden = sorted({os.path.realpath(p) for p in base_site if os.path.isdir(p)} - on_path)
+        return _Interp(version, tuple(needed), tuple(hidden))
     return _cached(("interp", python), compute)
 
 
@@ -130,33 +155,63 @@ def _is_under(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def _rebind_inside(argv: list[str], top: str, needed: Sequence[str]) -> None:
-    """Make the interpreter's directories under ``top`` visible again after ``top`` was replaced
-    (a tmpfs home, the run's private /tmp): read-only binds, parents created 0755."""
-    inside = [p for p in needed if _is_under(p, top) and p != top]
-    made = {top}
-    for p in inside:
-        if any(p != q and _is_under(p, q) for q in inside):
-            continue
-        for parent in map(str, reversed(Path(p).parents)):
-            if _is_under(parent, top) and parent not in made:
-                # bwrap would create it 0700, unreachable for the sandbox uid
-                argv += ["--perms", "0755", "--dir", parent]
-                made.add(parent)
-        argv += ["--ro-bind", p, p]
+class _View:
+    """Builds the bwrap options of a minimal filesystem: only what is bound exists."""
+
+    def __init__(self, argv: list[str]):
+        self.argv, self.made = argv, {"/"}
+
+    def parents(self, path: str) -> None:
+        # bwrap would create missing parents 0700, unreachable for the sandbox uid
+        for parent in map(str, reversed(Path(path).parents)):
+            if parent not in self.made:
+                self.argv += ["--perms", "0755", "--dir", parent]
+                self.made.add(parent)
+
+    def add(self, option: str, src: str, dest: str) -> None:
+        self.parents(dest)
+        self.argv += [option, src, dest]
+        self.made.add(dest)
 
 
 def _bwrap_argv(python: str, tmp: Path, shm: Path, uid: int | None) -> list[str]:
-    argv = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev",
-            "--proc", "/proc"]
-    needed = _interp_info(python)[1]
-    homes = {"/root", os.path.expanduser("~")}  # keys, tokens, caches live there
-    for home in sorted(h for h in homes if h != "/" and os.path.isdir(h) and not os.path.islink(h)):
-        argv += ["--tmpfs", home]
-        _rebind_inside(argv, home, needed)
-    argv += ["--bind", str(tmp), "/tmp", "--bind", str(shm), "/dev/shm"]
-    _rebind_inside(argv, "/tmp", needed)  # e.g. a checkout (and its .venv) under /tmp
-    argv += ["--chdir", INNER_WORK]
+    argv = [shutil.which("bwrap") or "bwrap"]
+    view = _View(argv)
+    interp = _interp_info(python)
+    bound = []
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            view.add("--symlink", os.readlink(d), d)
+        elif os.path.isdir(d):
+            view.add("--ro-bind", d, d)
+            bound.append(d)
+    for f in _SYSTEM_FILES:
+        if os.path.lexists(f):
+            view.add("--ro-bind-try", f, f)
+    masked = [d for d in _MASKED_DIRS if any(_is_under(d, b) for b in bound) and os.path.isdir(d)]
+    for d in masked:
+        argv += ["--tmpfs", d]
+
+    def visible(p: str) -> bool:
+        return any(_is_under(p, b) for b in bound) and not any(_is_under(p, m) for m in masked)
+
+    def bind_needed(paths: Sequence[str], inside: str | None = None) -> None:
+        todo = [p for p in paths if (inside is None or _is_under(p, inside)) and p != inside]
+        for p in todo:
+            if any(p != q and _is_under(p, q) for q in todo) or (inside is None and visible(p)):
+                continue  # covered by a bind of its parent, or by the system dirs
+            view.add("--ro-bind", p, p)
+
+    outside_tmp = [p for p in interp.needed if not _is_under(p, "/tmp")]
+    bind_needed(outside_tmp)
+    for h in interp.hidden:  # the base interpreter's own site-packages (other environments)
+        if any(_is_under(h, p) for p in interp.needed) and not any(_is_under(p, h) for p in interp.needed):
+            argv += ["--tmpfs", h]
+    argv += ["--dev", "/dev", "--proc", "/proc"]
+    view.made.update({"/dev", "/proc"})
+    view.add("--bind", str(tmp), "/tmp")
+    bind_needed(interp.needed, "/tmp")  # e.g. a checkout (and its .venv) under /tmp
+    argv += ["--bind", str(shm), "/dev/shm", "--remount-ro", "/", "--chdir", INNER_WORK]
     if uid is None:
         argv += ["--unshare-all"]
     else:  # no user namespace, or setpriv could not switch to an unmapped uid

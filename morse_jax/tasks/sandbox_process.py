@@ -79,7 +79,7 @@ def _drop_uid_ok(python: str) -> bool:
 
 
 def _probe(kind: Kind, python: str) -> tuple[bool, str]:
-    version = _interp_info(python)[0]
+    version = _interp_info(python).version
     main = PurePosixPath("main.py")
     try:
         res = _run(kind, python, {main: b"import sys; sys.stdout.write(sys.version)"}, main, [],

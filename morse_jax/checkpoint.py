@@ -66,6 +66,11 @@ class CheckpointMismatchError(ValueError):
     """The restore target does not describe the state stored in the checkpoint."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """Writing a step failed (a full disk, an I/O error); the message names the newest complete
+    step, which a resumed run restarts from (the partial write is skipped then)."""
+
+
 class CheckpointWarning(UserWarning):
     """An unusable checkpoint (or partial write) was skipped."""
 
@@ -331,6 +336,7 @@ class Checkpointer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._frozen = frozen  # held so the ids below stay those of live arrays
         self._frozen_ids = {id(x) for x in jax.tree.leaves(frozen)}
+        self._writing: Optional[int] = None  # the step of the last save issued
         self._manager = ocp.CheckpointManager(
             self.workdir,
             options=ocp.CheckpointManagerOptions(
@@ -366,8 +372,12 @@ class Checkpointer:
             "jax_version": jax.__version__, "orbax_version": getattr(ocp, "__version__", "?"),
             "process_count": jax.process_count(), "leaves": records, "user": user,
         }
-        saved = self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(storage), metadata=ocp.args.JsonSave(doc)))
+        try:
+            saved = self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(storage), metadata=ocp.args.JsonSave(doc)))
+        except Exception as e:  # noqa: BLE001 -- this step's (or a pending async step's) write failed
+            raise self._write_error(e) from e
+        self._writing = step
         if not saved:
             raise RuntimeError(f"orbax declined to save step {step} (read-only or save policy)")
 
@@ -440,8 +450,23 @@ class Checkpointer:
         return None
 
     def wait(self) -> None:
-        """Block until pending asynchronous saves are on disk (re-raises their errors)."""
-        self._manager.wait_until_finished()
+        """Block until pending asynchronous saves are on disk (re-raises their errors as
+        :class:`CheckpointWriteError`)."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._write_error(e) from e
+
+    def _write_error(self, e: BaseException) -> CheckpointWriteError:
+        steps = [s for s in self._manager.all_steps() if s != self._writing]
+        done = max(steps) if steps else None
+        what = f"step {self._writing}" if self._writing is not None else "a checkpoint"
+        cause = " ".join(str(e).split())[:400]
+        keep = (f"the newest complete checkpoint is step {done}; a resumed run restarts from it" if done is not None
+                else "there is no complete checkpoint yet; a resumed run starts from scratch")
+        msg = f"checkpoint: writing {what} in {self.workdir} failed; {keep} (cause: {type(e).__name__}: {cause})"
+        log.error(msg)
+        return CheckpointWriteError(msg)
 
     def close(self) -> None:
         self._manager.close()

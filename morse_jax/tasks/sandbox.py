@@ -45,6 +45,7 @@ run (run directory, spawn, output pump, :class:`SandboxResult`) and the isolatio
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import sys
@@ -57,6 +58,8 @@ from morse_jax.tasks.sandbox_isolation import INNER_WORK, UID_POOL, Kind, Mode, 
 from morse_jax.tasks.sandbox_process import SandboxResult, _bwrap_status, _drop_uid_ok, _resolve_mode, _run
 
 __all__ = ["Job", "SandboxResult", "probe_sandbox", "run_many", "run_python"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +121,14 @@ def run_python(
 
 
 def run_many(jobs: Sequence[Job | Mapping[str, Any]], *, max_workers: int | None = None,
-             ) -> list[SandboxResult]:
+             isolate_failures: bool = False) -> list[SandboxResult]:
     """Run jobs (``Job`` or dicts of run_python's arguments) in a bounded thread pool; results in
     the order of ``jobs``. The default is one worker per CPU: timeouts are wall-clock, so
     oversubscribed CPUs would make honest programs time out.
+
+    ``isolate_failures``: a job whose sandbox cannot be set up or run (an OSError spawning it,
+    a full disk for its run directory ...) gets a failed result (returncode -1, the reason on
+    stderr, logged) instead of failing the whole batch. Bad arguments still raise.
     """
     parsed = [_as_job(j, i) for i, j in enumerate(jobs)]
     if max_workers is None:
@@ -130,8 +137,21 @@ def run_many(jobs: Sequence[Job | Mapping[str, Any]], *, max_workers: int | None
         raise ValueError(f"run_many: max_workers must be a positive int, got {max_workers!r}")
     if not parsed:
         return []
+    for job in parsed:
+        _validate(job)
+    run = _execute_isolated if isolate_failures else _execute
     with ThreadPoolExecutor(min(max_workers, len(parsed)), thread_name_prefix="sandbox") as pool:
-        return list(pool.map(_execute, parsed))
+        return list(pool.map(run, parsed))
+
+
+def _execute_isolated(job: Job) -> SandboxResult:
+    try:
+        return _execute(job)
+    except Exception as e:  # noqa: BLE001 -- one candidate's infrastructure failure, not the batch's
+        log.warning("sandbox: a run failed to execute (%s: %s); its candidate scores 0", type(e).__name__, e)
+        return SandboxResult(returncode=-1, stdout="", stderr=f"[sandbox: run failed: {type(e).__name__}: {e}]",
+                             timed_out=False, signal=None, signal_name=None, duration_s=0.0,
+                             sandboxed_with="rlimits" if job.mode == "rlimits" else "bwrap")
 
 
 def probe_sandbox(python: str | None = None) -> Kind:

@@ -178,8 +178,7 @@ def parse_recorded(res: sandbox.SandboxResult, nonce: str, n_cases: int,
         if len(got) > 1:
             cases.append(CaseRecord("duplicate results (forged report lines)"))
         elif not got:
-            cases.append(CaseRecord(program_error or ("no result: the run timed out" if res.timed_out
-                                                      else f"no result: the process died ({res.stderr[-300:]})")))
+            cases.append(CaseRecord(program_error or _missing(res)))
         else:
             rec, size = got[0], 0
             try:
@@ -203,6 +202,14 @@ def parse_recorded(res: sandbox.SandboxResult, nonce: str, n_cases: int,
             except (KeyError, wire_format.WireError) as e:
                 cases.append(CaseRecord(f"bad report: {e}"))
     return RecordedRun(tuple(cases), program_error, bool(res.timed_out), float(res.duration_s))
+
+
+def _missing(res: sandbox.SandboxResult) -> str:
+    if res.timed_out:
+        return "no result: the run timed out"
+    if "[sandbox: stdout truncated" in res.stdout[-200:]:
+        return "no result: the output limit was reached"
+    return f"no result: the process died ({res.stderr[-300:]})"
 
 
 def _reject_constant(name):

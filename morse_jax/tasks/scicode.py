@@ -39,6 +39,7 @@ from __future__ import annotations
 import ast
 import collections
 import dataclasses
+import logging
 from typing import Sequence
 
 from morse_jax.tasks import sandbox, sandbox_record  # noqa: F401 (re-exported)
@@ -58,6 +59,8 @@ from morse_jax.tomas.planner import scicode_plan
 
 # --------------------------------------------------------------------------------------------
 # The task family
+
+log = logging.getLogger(__name__)
 
 _SYSTEM = ("You are an expert scientist and Python programmer. You implement one step of a "
            "scientific computing problem at a time, exactly to the given function header.")
@@ -193,6 +196,9 @@ class SciCodeFamily:
         return diag
 
     def _result(self, rep: StepReport) -> VerifyResult:
+        if rep.program_error or rep.n_passed < rep.n_tests:  # for logs only, never a prompt
+            why = rep.program_error or next(e for e in rep.errors if e)
+            log.info("scicode: %d/%d tests passed (%s)", rep.n_passed, rep.n_tests, why[:300])
         reward = float(rep.n_passed == rep.n_tests) if self.binary else rep.pass_fraction
         return VerifyResult(True, reward, "", {"tests_passed": float(rep.n_passed),
                                                "tests_total": float(rep.n_tests),
@@ -214,7 +220,7 @@ class SciCodeFamily:
         if jobs:
             tests = prepared_tests(step.test_cases, f"step {step.step_id} ")
             targets = self.targets.step_targets(problem, step)
-            results = sandbox.run_many([j for j, _ in jobs], max_workers=max_workers)
+            results = sandbox.run_many([j for j, _ in jobs], max_workers=max_workers, isolate_failures=True)
             for i, (_, nonce), res in zip(waiting, jobs, results):
                 out[i] = self._result(_report(res, nonce, tests, targets))
         return out

@@ -197,14 +197,19 @@ def load_problems(source: str | os.PathLike, *, supplied_code_dir: str | os.Path
             supplied_code_dir = None
     sdir = Path(supplied_code_dir) if supplied_code_dir is not None else None
     problems, seen = [], set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SciCodeDataError(f"{path}:{lineno}: not UTF-8 (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SciCodeDataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                cut = "" if raw.endswith(b"\n") else ", the last line is cut short"
+                raise SciCodeDataError(f"{path}:{lineno}: invalid JSON ({e.msg}{cut})") from None
             p = _parse_problem(rec, f"{path}:{lineno}", sdir)
             if p.problem_id in seen:
                 raise SciCodeDataError(f"{path}:{lineno}: duplicate problem_id {p.problem_id!r}")

@@ -7,7 +7,9 @@ name defined here. The data is CC BY-NC: it is read from a configurable director
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import os
 from collections import Counter
 from pathlib import Path
@@ -49,6 +51,19 @@ def resolve_srdd_path(path_or_split: str | os.PathLike, data_dir: str | os.PathL
     raise ValueError(f"path_or_split: {str(path_or_split)!r} is neither a split name {SPLITS} nor a CSV file")
 
 
+def _rows(reader, path: Path):
+    """The reader's rows; a malformed one (an unclosed quote cut by the end of the file, a stray
+    quote ...) raises one line naming the file and the line."""
+    while True:
+        try:
+            yield next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise ValueError(f"{path}: line {reader.line_num}: malformed CSV ({e}; a quoted field "
+                             "not closed, or the file cut short?)") from None
+
+
 def load_srdd(path_or_split: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> list[Task]:
     """Load SRDD rows (columns Name, Description, Category) as ``Task`` objects in file order.
 
@@ -56,12 +71,17 @@ def load_srdd(path_or_split: str | os.PathLike, data_dir: str | os.PathLike | No
     occurrences (the IID train split repeats some names). Bad rows raise ``ValueError`` naming
     the file, the record and its line.
     """
-    import csv  # noqa: PLC0415
-
     path = resolve_srdd_path(path_or_split, data_dir)
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}: line {line}: not UTF-8") from None
+    with io.StringIO(text, newline="") as fh:
+        reader = csv.reader(fh, strict=True)
+        rows = _rows(reader, path)
+        header = next(rows, None)
         if header is None:
             raise ValueError(f"{path}: empty file, expected header {','.join(COLUMNS)}")
         if tuple(h.strip() for h in header) != COLUMNS:
@@ -69,13 +89,15 @@ def load_srdd(path_or_split: str | os.PathLike, data_dir: str | os.PathLike | No
         tasks: list[Task] = []
         seen: Counter = Counter()
         record = 0
-        for row in reader:
+        for row in rows:
             if not row:  # blank line: no data to lose
                 continue
             record += 1
             where = f"{path}: record {record} (ending line {reader.line_num})"
             if len(row) != len(COLUMNS):
-                raise ValueError(f"{where}: expected {len(COLUMNS)} fields, got {len(row)}")
+                missing = COLUMNS[len(row)] if len(row) < len(COLUMNS) else None
+                raise ValueError(f"{where}: expected {len(COLUMNS)} fields, got {len(row)}"
+                                 + (f" (field {missing!r} missing)" if missing else ""))
             name, desc, cat = (f.strip() for f in row)
             for col, val in zip(COLUMNS, (name, desc, cat)):
                 if not val:

@@ -102,7 +102,7 @@ def smoke_run_many(codebases: Sequence[Mapping[str, str]], *, timeout_s: float =
         from morse_jax.tasks import sandbox  # noqa: PLC0415
 
         results = sandbox.run_many([_run_kwargs(codebases[i], timeout_s, memory_mb) for i in todo],
-                                   max_workers=max_workers)
+                                   max_workers=max_workers, isolate_failures=True)
         for i, r in zip(todo, results):
             outcomes[i] = classify_run(r)
     return outcomes  # type: ignore[return-value]

@@ -336,7 +336,7 @@ class Checkpointer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._frozen = frozen  # held so the ids below stay those of live arrays
         self._frozen_ids = {id(x) for x in jax.tree.leaves(frozen)}
-        self._writing: Optional[int] = None  # the step of the last save issued
+        self._issued: list[int] = []  # steps handed to orbax, in order
         self._manager = ocp.CheckpointManager(
             self.workdir,
             options=ocp.CheckpointManagerOptions(
@@ -372,12 +372,12 @@ class Checkpointer:
             "jax_version": jax.__version__, "orbax_version": getattr(ocp, "__version__", "?"),
             "process_count": jax.process_count(), "leaves": records, "user": user,
         }
+        self._issued.append(step)
         try:
             saved = self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeSave(storage), metadata=ocp.args.JsonSave(doc)))
         except Exception as e:  # noqa: BLE001 -- this step's (or a pending async step's) write failed
             raise self._write_error(e) from e
-        self._writing = step
         if not saved:
             raise RuntimeError(f"orbax declined to save step {step} (read-only or save policy)")
 
@@ -458,9 +458,10 @@ class Checkpointer:
             raise self._write_error(e) from e
 
     def _write_error(self, e: BaseException) -> CheckpointWriteError:
-        steps = [s for s in self._manager.all_steps() if s != self._writing]
+        steps = set(self._manager.all_steps())
         done = max(steps) if steps else None
-        what = f"step {self._writing}" if self._writing is not None else "a checkpoint"
+        failed = [s for s in self._issued[-2:] if s not in steps]  # this save, or the async one before it
+        what = f"step {' or '.join(map(str, failed))}" if failed else "a checkpoint"
         cause = " ".join(str(e).split())[:400]
         keep = (f"the newest complete checkpoint is step {done}; a resumed run restarts from it" if done is not None
                 else "there is no complete checkpoint yet; a resumed run starts from scratch")

@@ -2,8 +2,9 @@
 
 Each round verifies the ground truth of the same development steps once per tree, in a fresh
 interpreter with that tree first on ``sys.path``, alternating which tree goes first; targets are
-built (and cached per tree) in an untimed warm-up round. Prints per-round seconds and the median
-ratio this/peer.
+built (and cached per tree) in an untimed warm-up round. Prints per-round wall-clock and CPU
+seconds (the verifier's process plus its sandboxes; on a loaded machine CPU time is the steadier
+figure) and the median ratios this/peer.
 
     python bench/verify_cost.py --peer /work/main --rounds 5 --steps 1.1 10.3 10.6 29.3 78.1
 """
@@ -26,20 +27,27 @@ def _inner(steps: list[str], cache: str) -> None:
 
     dev = {p.problem_id: p for p in sc.load_problems("package:dev")}
     fam = sc.SciCodeFamily(sc.RebuiltTargets(cache), limits=sc.ExecLimits(timeout_s=600, test_timeout_s=300))
-    total, per = 0.0, {}
+    import resource
+
+    def cpu() -> float:  # this process and its reaped children (the sandboxes): less load-sensitive
+        a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+    total, total_cpu, per = 0.0, 0.0, {}
     for sid in steps:
         p = dev[sid.split(".")[0]]
         task = sc.problem_to_task(p)
         node = fam.fixed_plan(task).node(sid)
         art = sc.join_program(sc.gold_upstream(p, sid), sid, p.step(sid).ground_truth)
         fam.targets.step_targets(p, p.step(sid))  # cached after the warm-up round: not timed
-        t = time.perf_counter()
+        t, c = time.perf_counter(), cpu()
         res = fam.verify(task, node, art)
         per[sid] = time.perf_counter() - t
         total += per[sid]
+        total_cpu += cpu() - c
         if res.reward != 1.0:
             raise SystemExit(f"{sid}: ground truth scored {res.reward}")
-    print(json.dumps({"total": total, "per_step": per, "module": sc.__file__}))
+    print(json.dumps({"total": total, "cpu": total_cpu, "per_step": per, "module": sc.__file__}))
 
 
 def _run(tree: Path, steps: list[str], cache: Path) -> dict:
@@ -70,15 +78,20 @@ def main() -> None:
         for tree in (this, peer):  # warm-up: builds the targets
             print(f"warm-up {tree}: {_run(tree, args.steps, caches[tree])['module']}", flush=True)
         times: dict[Path, list[float]] = {this: [], peer: []}
+        cpus: dict[Path, list[float]] = {this: [], peer: []}
         for r in range(args.rounds):
             order = (this, peer) if r % 2 == 0 else (peer, this)
             for tree in order:
-                times[tree].append(_run(tree, args.steps, caches[tree])["total"])
-            print(f"round {r + 1}: this {times[this][-1]:.2f} s, peer {times[peer][-1]:.2f} s", flush=True)
-    ratios = [a / b for a, b in zip(times[this], times[peer])]
-    print(f"steps {' '.join(args.steps)}: median this {statistics.median(times[this]):.2f} s, "
-          f"peer {statistics.median(times[peer]):.2f} s, median ratio this/peer {statistics.median(ratios):.3f} "
-          f"(per round: {', '.join(f'{x:.3f}' for x in ratios)})")
+                out = _run(tree, args.steps, caches[tree])
+                times[tree].append(out["total"])
+                cpus[tree].append(out["cpu"])
+            print(f"round {r + 1}: this {times[this][-1]:.2f} s ({cpus[this][-1]:.2f} s CPU), "
+                  f"peer {times[peer][-1]:.2f} s ({cpus[peer][-1]:.2f} s CPU)", flush=True)
+    for what, data in (("wall", times), ("CPU", cpus)):
+        ratios = [a / b for a, b in zip(data[this], data[peer])]
+        print(f"{what}, steps {' '.join(args.steps)}: median this {statistics.median(data[this]):.2f} s, "
+              f"peer {statistics.median(data[peer]):.2f} s, median ratio this/peer {statistics.median(ratios):.3f} "
+              f"(per round: {', '.join(f'{x:.3f}' for x in ratios)})")
 
 
 if __name__ == "__main__":

@@ -201,3 +201,64 @@ def test_malformed_srdd_csv_fails_with_file_line_and_field(tmp_path, content, wh
         srdd_data.load_srdd(path)
     msg = str(e.value)
     assert "\n" not in msg and str(path) in msg and where in msg and field in msg, msg
+
+
+# ------------------------------------------------------------------------------ fuzzed planner outputs
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+_KEYS = st.sampled_from(["nodes", "steps", "subtasks", "id", "title", "description", "depends_on", "deps",
+                         "parents", "role"])
+_LEAF = st.none() | st.booleans() | st.integers(-3, 10**20) | st.floats() | st.text(max_size=12)
+_JSONISH = st.recursive(_LEAF, lambda c: st.lists(c, max_size=5) | st.dictionaries(_KEYS | st.text(max_size=6), c,
+                                                                                   max_size=5), max_leaves=25)
+_NODE = st.fixed_dictionaries({"id": st.text(max_size=4) | st.integers(0, 5) | st.none(),
+                               "description": st.text(max_size=20) | st.integers() | st.none()},
+                              optional={"depends_on": st.lists(st.text(max_size=4) | st.integers(0, 5), max_size=4)
+                                        | st.text(max_size=4) | st.none(), "title": _LEAF})
+_NODES = st.lists(_NODE, max_size=8).map(lambda ns: {"nodes": ns})
+
+
+@st.composite
+def _planner_output(draw):
+    obj = draw(_NODES | _JSONISH)
+    text = json.dumps(obj, allow_nan=True)
+    text = draw(st.sampled_from(["{}", "```json\n{}\n```", "Here is the plan: {} Done.", "{}{}", "[{}]"])).format(
+        text, text)
+    if draw(st.booleans()):
+        text = text[:draw(st.integers(0, len(text)))]  # cut by the token limit
+    return draw(st.just(text) | st.text(max_size=200))
+
+
+@hypothesis.settings(max_examples=120, deadline=None, derandomize=True,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(outputs=st.lists(_planner_output(), min_size=2, max_size=2))
+def test_fuzzed_planner_outputs_never_crash_the_orchestrator(outputs):
+    """Whatever the planner writes, the orchestrator plans (repairing, re-planning or falling
+    back to one node, with a note), and runs the plan."""
+    import networkx as nx
+    from test_orchestrator import Harness, task
+
+    answers = iter(outputs)
+    h = Harness(planner_script=lambda text, info: next(answers))
+    res = h.orchestrator(mode="eval", max_replans=1).run([task("A")])
+    plan = res.traces["A"].plan
+    ids = [n.id for n in plan.nodes]
+    assert ids and len(set(ids)) == len(ids) and nx.is_directed_acyclic_graph(plan.graph())
+    assert all(n.description.strip() for n in plan.nodes)
+    if res.counters.plan_fallbacks:
+        assert any("fell back" in r for r in plan.repairs)  # the fallback is recorded (and logged)
+    assert res.traces["A"].all_passed  # every node of whatever plan came out was executed
+
+
+@hypothesis.settings(max_examples=120, deadline=None, derandomize=True,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(text=_planner_output())
+def test_fuzzed_dependency_inference_keeps_the_fixed_steps(text):
+    """SciCode's DAG inference over fixed steps: any reply gives a DAG over exactly those steps."""
+    import networkx as nx
+    from morse_jax.tomas.planner_fixed import parse_inferred_dependencies
+
+    steps = [("1.1", "first"), ("1.2", "second"), ("1.3", "third")]
+    plan = parse_inferred_dependencies(text, steps)
+    assert [n.id for n in plan.nodes] == ["1.1", "1.2", "1.3"] and nx.is_directed_acyclic_graph(plan.graph())

@@ -280,6 +280,21 @@ def test_gate_classifies_runs():
                                    "sys.exit(0)\n"}).reason == "exit0"
 
 
+@pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap not installed")
+def test_smoke_run_sees_only_the_minimal_view(tmp_path):
+    """A generated codebase cannot read the SRDD data, the checkout or a host file it was told about."""
+    host_file = Path("/var/tmp") / f"srdd-host-{tmp_path.name}.txt"
+    host_file.write_text("secret")
+    host_file.chmod(0o644)
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        for target in (host_file, repo / "README.md", DATA / "iid_test.csv"):
+            out = S.smoke_run({"main.py": f"print(open({str(target)!r}).read()[:10])\n"}, timeout_s=20.0)
+            assert out.reason == "crash" and "FileNotFoundError" in out.detail, (target, out)
+    finally:
+        host_file.unlink()
+
+
 @needs_sandbox
 def test_family_verify_end_to_end():
     fam = S.SRDDFamily()

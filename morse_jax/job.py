@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -38,6 +41,21 @@ from morse_jax.metrics_log import MetricsWriter
 
 log = logging.getLogger("morse_jax.job")
 
+# Fault injection for the kill -9 tests (tests/test_faults.py): "<phase>:<step>" kills this process
+# with SIGKILL at that point of that training step. Phases: sampling (first model call),
+# verification (while the first wave's candidates are being verified), update (after the update,
+# before its metrics record), metrics (after the record, before the checkpoint), checkpoint
+# (while the checkpoint is being written).
+KILL_AT_ENV = "MORSE_JAX_KILL_AT"
+
+
+def _kill_at(phase: str, step: int) -> bool:
+    return os.environ.get(KILL_AT_ENV) == f"{phase}:{step}"
+
+
+def _kill_now() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
 
 def resolve_model_path(path: str) -> Path:
     return embedded_model_path() if path == "embedded" else Path(path).expanduser()
@@ -58,6 +76,7 @@ class Job:
     """Everything one run needs. ``log_fn`` receives human-readable progress lines."""
 
     def __init__(self, cfg, *, load_tasks: bool = True):
+        self._train_step = 0  # the training step in progress (1-based), for the fault injection
         self.cfg = cfg
         self.workdir = Path(cfg.workdir).expanduser()
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +157,8 @@ class Job:
 
     def verify_collective(self):
         """Verification on process 0 only, results broadcast (None for a single process)."""
+        if _kill_at("verification", self._train_step):  # killed mid-verification (sandboxes running)
+            return lambda thunk: (threading.Timer(0.3, _kill_now).start(), thunk())[1]
         if jax.process_count() == 1:
             return None
 
@@ -159,6 +180,8 @@ class Job:
         return encode_chat(self.backbone.tokenizer, messages)
 
     def generate(self, requests):
+        if _kill_at("sampling", self._train_step):
+            _kill_now()
         bank = self.trainable["bank"] if self.trainable is not None else None
         bar = tqdm(total=len(requests), desc="generate", unit="call", leave=False, disable=None)
         try:
@@ -274,6 +297,7 @@ class Job:
                    disable=None)
         last = {}
         for step in bar:
+            self._train_step = step + 1
             tasks = [self.train_tasks[(cursor + i) % n_tasks] for i in range(min(cfg.data.tasks_per_step, n_tasks))]
             cursor = (cursor + len(tasks)) % n_tasks
             t0 = time.time()
@@ -288,6 +312,8 @@ class Job:
                                                           num_groups=max(len(result.groups), 1),
                                                           reinforce=(step == 0))
             t_upd = time.time() - t0
+            if _kill_at("update", step + 1):
+                _kill_now()
             usage = m.pop("expert_usage", None)
             last = {"step": step + 1, "reward_mean": stats.reward_mean, "reward_std": stats.reward_std,
                     "groups": stats.groups, "skipped_within": stats.skipped_within,
@@ -299,11 +325,15 @@ class Job:
                 last["expert_usage"] = usage
             last["router_probs"] = _router_probs(result)
             writer.write(last, step=step + 1, kind="train")
+            if _kill_at("metrics", step + 1):
+                _kill_now()
             bar.set_postfix(reward=f"{stats.reward_mean:.3f}", skipped=f"{stats.skipped_within:.2f}")
             if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == steps:
                 ckpt.save(step + 1, {"trainable": self.trainable, "opt_state": opt_state, "key": self._place(self.key)},
                           metadata={"step": step + 1, "data_cursor": cursor, "variant": self.variant,
                                     "config": cfg.to_json()})
+                if _kill_at("checkpoint", step + 1):  # the async write is under way
+                    _kill_now()
         ckpt.wait()
         ckpt.close()
         # Every process logs it: in a multi-process run the values must agree (they do by design).

@@ -262,3 +262,51 @@ def test_fuzzed_dependency_inference_keeps_the_fixed_steps(text):
     steps = [("1.1", "first"), ("1.2", "second"), ("1.3", "third")]
     plan = parse_inferred_dependencies(text, steps)
     assert [n.id for n in plan.nodes] == ["1.1", "1.2", "1.3"] and nx.is_directed_acyclic_graph(plan.graph())
+
+
+# ------------------------------------------------------------------------------ kill -9 and resume
+
+_TINY_JOB = ["--config.data.train_ids=('19',)", "--config.data.eval_ids=('19',)", "--config.data.tasks_per_step=1",
+             "--config.rollout.routes=2", "--config.rollout.candidates=2", "--config.rollout.max_attempts=1",
+             "--config.rollout.max_new_tokens=48", "--config.rollout.eval_max_new_tokens=48",
+             "--config.rollout.planner_max_new_tokens=64", "--config.train.steps=3",
+             "--config.train.checkpoint_every=1", "--config.train.keep_checkpoints=5"]
+
+
+@pytest.mark.slow
+@pytest.mark.gguf
+def test_kill9_at_each_phase_resumes_from_the_last_complete_checkpoint(tmp_path):
+    """~6 job starts on the embedded SmolLM2: the job is killed (SIGKILL) during sampling,
+    verification, after the update, after the metrics record and during the checkpoint write;
+    each rerun resumes from the newest complete checkpoint, and the finished run has exactly one
+    metrics record per step."""
+    from morse_jax.job import KILL_AT_ENV
+
+    wd = tmp_path / "run"
+
+    def job(kill_at: str | None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != KILL_AT_ENV}
+        if kill_at:
+            env[KILL_AT_ENV] = kill_at
+        cmd = [sys.executable, "-m", "morse_jax.main", "--config", "configs/quickstart.py", f"--config.workdir={wd}",
+               f"--config.data.cache_dir={tmp_path / 'cache'}", *_TINY_JOB]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+
+    def complete_steps() -> list[int]:
+        d = wd / "checkpoints"
+        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+    chain = [("sampling:1", []), ("verification:2", [1]), ("update:2", [1]), ("metrics:2", [1]),
+             ("checkpoint:3", [1, 2]), (None, [1, 2, 3])]
+    for kill_at, want_steps in chain:
+        r = job(kill_at)
+        if kill_at is None:
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        else:
+            assert r.returncode == -9, (kill_at, r.returncode, r.stderr[-4000:])
+        done = complete_steps()
+        # a write killed at step 3 may or may not have been renamed before the kill
+        assert done == want_steps or (kill_at == "checkpoint:3" and done == [1, 2, 3]), (kill_at, done)
+    assert "resumed from" in r.stdout
+    recs = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs if x["kind"] == "train"] == [1, 2, 3]

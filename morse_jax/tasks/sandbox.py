@@ -8,11 +8,13 @@ truncated, so a chatty program cannot exhaust the parent's memory.
 
 Two isolation levels (``SandboxResult.sandboxed_with``):
 
-* ``"bwrap"`` (preferred; Debian package ``bubblewrap``): read-only bind of ``/``, fresh ``/dev``
-  and ``/proc``, the parent's home (``/root``) replaced by an empty tmpfs into which only the
-  interpreter's own prefix is re-bound, the run directory as the child's private writable
-  ``/tmp`` (cwd and HOME ``/tmp/work``), no network, own PID/IPC/UTS namespaces, dies with its
-  parent. As root, bwrap runs as root without a user namespace and ``setpriv`` (util-linux) drops
+* ``"bwrap"`` (preferred; Debian package ``bubblewrap``): a minimal, read-only filesystem view
+  -- the system libraries (``/usr`` without ``/usr/local``, the loader's files in ``/etc``), the
+  interpreter's own prefixes and site-packages as it reports them (the base interpreter's
+  site-packages masked), fresh ``/dev`` and ``/proc`` -- plus the run directory as the child's
+  private writable ``/tmp`` (cwd and HOME ``/tmp/work``) and ``/dev/shm``; nothing else of the
+  host (no home, checkout, data, caches or other environments). No network (not even loopback),
+  own PID/IPC/UTS namespaces, dies with its parent. As root, bwrap runs as root without a user namespace and ``setpriv`` (util-linux) drops
   the child's real uid/gid to a per-run unprivileged uid *before* the interpreter starts: root
   ignores RLIMIT_NPROC, so only then does the process limit stop a fork bomb. (The other order,
   uid first and bwrap unprivileged, cannot reach an interpreter under a 0700 home such as pyenv

@@ -177,6 +177,11 @@ def test_split_test_keeps_values_in_the_sandbox_and_comparisons_here():
     s = sc.split_test("from scicode.compare.cmp import cmp_tuple_or_list\nassert cmp_tuple_or_list(k(2), target)", "t")
     assert "scicode" not in s.sandbox_code and "__record__(0, k(2))" in s.sandbox_code
     assert _decide("assert cmp_tuple_or_list(k(2), target)", [(0, ([1.0, {"a": 2.0}],))], [1.0, {"a": 2.0}]) == ""
+    # target-free checks are evaluated here too; numpy methods work on the recorded values (78.2)
+    nan_check = "def t():\n    x = f()\n    assert not np.isnan(x).any(), 'm'\nt()"
+    assert "__record__(0, np.isnan(x))" in sc.split_test(nan_check, "t").sandbox_code
+    assert _decide(nan_check, [(0, (np.zeros(2, bool),))], None) == ""
+    assert _decide(nan_check, [(0, (np.array([False, True]),))], None).endswith("failed")
     # the test's own comparator runs here on the recorded value and the target
     own = "def same(a, b):\n    return a.shape == b.shape\nassert same(f(1), target)"
     assert "def same" in sc.split_test(own, "t").comparators

@@ -40,21 +40,21 @@ from morse_jax.tasks.sandbox_record import CaseRecord
 # this process for the comparisons, and also given to the tests' namespace in the sandbox for
 # tests that call them outside an assert.
 HELPERS_SOURCE = r'''
+import sys as _sys
 import numpy as _np
-try:
-    import scipy.sparse as _sps
-except ImportError:
-    _sps = None
-try:
-    import sympy as _sympy
-except ImportError:
-    _sympy = None
+
+# scipy.sparse / sympy are looked up, not imported: a sparse matrix or a Symbol can only exist
+# once its module is loaded, and importing them costs every run (sympy alone ~0.5 s).
+def _sparse():
+    return _sys.modules.get("scipy.sparse")
 
 def _dense(m):
-    return m.toarray() if _sps is not None and _sps.issparse(m) else m
+    sps = _sparse()
+    return m.toarray() if sps is not None and sps.issparse(m) else m
 
 def _sym(v):
-    return str(v) if _sympy is not None and isinstance(v, _sympy.Symbol) else v
+    sympy = _sys.modules.get("sympy")
+    return str(v) if sympy is not None and isinstance(v, sympy.Symbol) else v
 
 def are_dicts_close(d1, d2, atol=1e-8, rtol=1e-5):
     d1 = {_sym(k): _sym(v) for k, v in d1.items()}
@@ -85,7 +85,7 @@ def cmp_tuple_or_list(a, b):
     for v1, v2 in zip(a, b):
         if isinstance(v1, dict):
             ok = are_dicts_close(v1, v2)
-        elif _sps is not None and _sps.issparse(v1):
+        elif _sparse() is not None and _sparse().issparse(v1):
             ok = are_csc_matrix_close(v1, v2)
         elif isinstance(v1, bool):
             ok = v1 == v2

@@ -2,9 +2,10 @@
 
 Each round verifies the ground truth of the same development steps once per tree, in a fresh
 interpreter with that tree first on ``sys.path``, alternating which tree goes first; targets are
-built (and cached per tree) in an untimed warm-up round. Prints per-round wall-clock and CPU
-seconds (the verifier's process plus its sandboxes; on a loaded machine CPU time is the steadier
-figure) and the median ratios this/peer.
+built (and cached per tree) in an untimed warm-up round. Prints per-round wall-clock seconds
+(sandboxes included) and the CPU seconds of the verifier's own process (work done outside the
+sandbox: decoding, comparisons; the sandboxed interpreters' CPU is not counted), and the median
+ratios this/peer. Each round is a fresh process, so one-time imports count in every round.
 
     python bench/verify_cost.py --peer /work/main --rounds 5 --steps 1.1 10.3 10.6 29.3 78.1
 """
@@ -29,7 +30,7 @@ def _inner(steps: list[str], cache: str) -> None:
     fam = sc.SciCodeFamily(sc.RebuiltTargets(cache), limits=sc.ExecLimits(timeout_s=600, test_timeout_s=300))
     import resource
 
-    def cpu() -> float:  # this process and its reaped children (the sandboxes): less load-sensitive
+    def cpu() -> float:  # the verifier's own process (the sandboxed interpreters are not its reaped children)
         a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
@@ -85,9 +86,9 @@ def main() -> None:
                 out = _run(tree, args.steps, caches[tree])
                 times[tree].append(out["total"])
                 cpus[tree].append(out["cpu"])
-            print(f"round {r + 1}: this {times[this][-1]:.2f} s ({cpus[this][-1]:.2f} s CPU), "
-                  f"peer {times[peer][-1]:.2f} s ({cpus[peer][-1]:.2f} s CPU)", flush=True)
-    for what, data in (("wall", times), ("CPU", cpus)):
+            print(f"round {r + 1}: this {times[this][-1]:.2f} s ({cpus[this][-1]:.2f} s verifier CPU), "
+                  f"peer {times[peer][-1]:.2f} s ({cpus[peer][-1]:.2f} s verifier CPU)", flush=True)
+    for what, data in (("wall", times), ("verifier-process CPU", cpus)):
         ratios = [a / b for a, b in zip(data[this], data[peer])]
         print(f"{what}, steps {' '.join(args.steps)}: median this {statistics.median(data[this]):.2f} s, "
               f"peer {statistics.median(data[peer]):.2f} s, median ratio this/peer {statistics.median(ratios):.3f} "

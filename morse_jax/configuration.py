@@ -112,8 +112,16 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
     if cfg.train.loss_normalisation not in ("sequence_mean", "sequence_sum"):
         raise ConfigError(f"config.train.loss_normalisation: must be sequence_mean or sequence_sum, "
                           f"got {cfg.train.loss_normalisation!r}")
-    if cfg.data.family not in ("scicode", "srdd"):
-        raise ConfigError(f"config.data.family: must be 'scicode' or 'srdd', got {cfg.data.family!r}")
+    from morse_jax.tasks.registry import FAMILIES
+
+    if cfg.data.family not in FAMILIES:
+        raise ConfigError(f"config.data.family: must be one of {FAMILIES}, got {cfg.data.family!r}")
+    if cfg.data.family == "pyfuncs":
+        from morse_jax.tasks.pyfuncs_data import SPLITS
+
+        for field in ("train", "eval"):
+            if cfg.data[field] and cfg.data[field] not in SPLITS:
+                raise ConfigError(f"config.data.{field}: pyfuncs splits are {SPLITS}, got {cfg.data[field]!r}")
     if cfg.mode in ("solve", "plan") and not cfg.task.strip():
         raise ConfigError(f"config.task: mode={cfg.mode} needs a task description (--config.task=\"...\")")
     if cfg.train.epochs < 0:
@@ -134,7 +142,7 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
             embedded_model_path()
         except FileNotFoundError as e:
             raise ConfigError(f"config.model.path: {e}") from e
-    if cfg.mode in ("train", "eval", "diagnose"):
+    if cfg.mode in ("train", "eval", "diagnose") and cfg.data.family != "pyfuncs":
         for field in ("train", "eval"):
             src = cfg.data[field]
             if not src or src.startswith("package:"):

@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # float32 on CPU, bfloat16 on GPU
 
     c.data = ml_collections.ConfigDict()
-    c.data.family = "scicode"  # scicode | srdd
+    c.data.family = "scicode"  # scicode | srdd | pyfuncs (generated coding tasks, splits train / iid / ood)
     c.data.dir = "../shared/data/morse-reference"  # reference splits (SciCode JSONL, SRDD CSV)
     c.data.train = "package:dev"  # split name, "package:dev"/"package:all" (SciCode), or a file path
     c.data.eval = "package:dev"

@@ -9,6 +9,8 @@ from typing import Any, Mapping, Sequence
 # (metric key, column name, format): percentages as in the paper's tables, ECI as a fraction.
 SCICODE_COLS = (("step_pass", "Step Pass (%)", "pct"), ("mean_step_pass", "Mean Step Pass (%)", "pct"),
                 ("problem_pass", "Problem Pass (%)", "pct"))
+PYFUNCS_COLS = (("reward", "Reward (%)", "pct"), ("node_pass", "Node Pass (%)", "pct"),
+                ("task_pass", "Task Pass (%)", "pct"), ("solve_reward", "Solve Reward (%)", "pct"))
 SRDD_COLS = (("exec", "Exec (%)", "pct"), ("eci_mean", "ECI mean", "frac"), ("eci_product", "ECI product", "frac"))
 VARIANT_NAMES = {"A": "A: MoRSE untrained", "B": "B: single LoRA (r=24) + GRPO", "B++": "B++: single LoRA (r=48) + GRPO",
                  "C": "C: MoLE + flat GRPO", "D": "D: MoLE + HGRPO (MoRSE)", "single_agent": "Single agent",
@@ -78,7 +80,7 @@ def write_report(workdir: str | Path, *, family: str, evals: Sequence[Mapping[st
                  train: Sequence[Mapping[str, Any]] = (), run_info: Mapping[str, Any] | None = None) -> Path:
     """Write report.md, report.json and plots; returns the path of report.md."""
     workdir = Path(workdir)
-    cols = SCICODE_COLS if family == "scicode" else SRDD_COLS
+    cols = {"scicode": SCICODE_COLS, "pyfuncs": PYFUNCS_COLS}.get(family, SRDD_COLS)
     plots = _plots(workdir, train, evals)
     md = [f"# morse_jax report ({family})", ""]
     if run_info:

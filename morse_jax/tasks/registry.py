@@ -8,7 +8,7 @@ from typing import Sequence
 
 from morse_jax.tasks.base import Task
 
-FAMILIES = ("scicode", "srdd")
+FAMILIES = ("scicode", "srdd", "pyfuncs")
 # SciCode steps that take > 15 s to score (DESIGN §6); kept out of fast runs when asked.
 SLOW_SCICODE_STEPS = ("51.4", "47.4", "10.11")
 
@@ -27,6 +27,10 @@ def build_family(cfg, workdir: Path):
         return sc.SciCodeFamily(targets, binary=cfg.scicode.binary_reward, gold_context=cfg.scicode.gold_context)
     if fam == "srdd":
         return srdd_family(cfg)
+    if fam == "pyfuncs":
+        from morse_jax.tasks.pyfuncs import PyFuncsFamily
+
+        return PyFuncsFamily()
     raise ValueError(f"config.data.family must be one of {FAMILIES}, got {fam!r}")
 
 
@@ -115,6 +119,16 @@ def _srdd_split(cfg, field: str) -> tuple[list[Task], SplitSummary]:
     return tasks, SplitSummary(field, source, len(tasks), None)
 
 
+def _pyfuncs_split(cfg, field: str) -> tuple[list[Task], SplitSummary]:
+    """Generated tasks: the split name's task list, cut by the config's ids / limit."""
+    from morse_jax.tasks.pyfuncs_data import load_split
+
+    source = cfg.data[field]
+    tasks = load_split(source, 0 if cfg.data[f"{field}_ids"] else cfg.data[f"max_{field}_tasks"])
+    tasks = _select(tasks, cfg.data[f"{field}_ids"], cfg.data[f"max_{field}_tasks"], f"{field}_ids")
+    return tasks, SplitSummary(field, source, len(tasks), sum(len(t.payload.steps) for t in tasks))
+
+
 def load_splits(cfg, family) -> tuple[list[Task], list[Task], list[SplitSummary]]:
     """(train tasks, eval tasks, a summary per configured split) as the config selects them."""
     out, summaries = {}, []
@@ -124,6 +138,8 @@ def load_splits(cfg, family) -> tuple[list[Task], list[Task], list[SplitSummary]
             continue
         if cfg.data.family == "scicode":
             out[field], summary = _scicode_split(cfg, field, family)
+        elif cfg.data.family == "pyfuncs":
+            out[field], summary = _pyfuncs_split(cfg, field)
         else:
             out[field], summary = _srdd_split(cfg, field)
         summaries.append(summary)
@@ -152,6 +168,10 @@ def family_metrics(cfg, family, tasks: Sequence[Task], result) -> dict:
                     n_passed = int(node.result.components.get("tests_passed", 0))
                 steps.append(StepResult(t.task_id, s.step_id, n_passed, n_tests))
         return dict(scicode_metrics(steps))
+    if cfg.data.family == "pyfuncs":
+        from morse_jax.tasks.pyfuncs import pyfuncs_metrics
+
+        return pyfuncs_metrics(tasks, result)
     from morse_jax.tasks.embedding import SentenceEmbedder
     from morse_jax.tasks.srdd import eci_summary, evaluate_codebases, materialise_codebase
 

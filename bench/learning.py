@@ -1,0 +1,151 @@
+"""Does it learn? Train variants x seeds on PyFuncs and evaluate held-out reward every k steps (issue 16).
+
+    python bench/learning.py --variants A,B,C,D --seeds 0 1 2 --steps 30 --eval-every 10 --workdir runs/learning
+
+Each (variant, seed) trains through the main job (:class:`morse_jax.job.Job`, the config
+``configs/learn_cpu.py:<variant>`` with ``seed``) in chunks of ``--eval-every`` steps (each chunk
+resumes from the previous chunk's checkpoint), and after every chunk (and before the first)
+evaluates the fixed first ``--eval-tasks`` tasks of the iid and of the OOD split with greedy
+decoding. Variant A (untrained) is evaluated once per seed, and always runs as the reference.
+A finished (variant, seed) is kept (``<workdir>/<variant>_s<seed>/learning_run.json``) and not rerun,
+so an interrupted matrix resumes; ``--fresh`` starts over. Writes ``learning.json``,
+``learning.md`` and ``learning.png`` (bench/learning_report.py) to ``--workdir``; the last printed
+line is ``learning: D-A +X.X points on held-out iid tasks (seeds ...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from learning_report import router_entropy, headline, write_outputs  # noqa: E402
+
+
+def load_config(path: Path, variant: str):
+    spec = importlib.util.spec_from_file_location("learn_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(variant)
+
+
+def apply_overrides(cfg, overrides):
+    """``group.field=value`` strings (values as Python literals, else strings)."""
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        node, *path = key.split(".")
+        group = cfg
+        for part in [node, *path][:-1]:
+            group = group[part]
+        group[[node, *path][-1]] = value
+    return cfg
+
+
+def eval_record(job, step: int, iid, ood) -> dict:
+    rec = {"step": step}
+    for split, tasks in (("iid", iid), ("ood", ood)):
+        m = job.evaluate(tasks=tasks)
+        rec[split] = {k: v for k, v in m.items() if isinstance(v, (int, float))}
+        if split == "iid":
+            rec["router_entropy"] = router_entropy(m.get("router_probs", []))
+            rec["expert_sets"] = m.get("expert_sets", {})
+    return rec
+
+
+def run_one(args, variant: str, seed: int, iid, ood) -> dict:
+    from morse_jax.configuration import validate_config
+    from morse_jax.job import Job
+    from morse_jax.metrics_log import MetricsWriter
+
+    run_dir = Path(args.workdir) / f"{variant}_s{seed}"
+    done = run_dir / "learning_run.json"
+    if done.exists() and not args.fresh:
+        rec = json.loads(done.read_text())
+        if rec.get("steps") == (0 if variant == "A" else args.steps):
+            print(f"[{variant} seed {seed}] kept from {done}", flush=True)
+            return rec
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = load_config(Path(args.config), variant)
+    cfg.seed = seed
+    cfg.workdir = str(run_dir)
+    cfg.fresh = False
+    cfg.train.steps = 0 if variant == "A" else args.steps
+    cfg.train.checkpoint_every = args.eval_every
+    apply_overrides(cfg, args.set)
+    validate_config(cfg)
+    t0 = time.time()
+    job = Job(cfg, load_tasks=True)
+    writer = MetricsWriter(run_dir)
+    evals = [eval_record(job, 0, iid, ood)]
+    print(f"[{variant} seed {seed}] step 0: iid {100 * evals[-1]['iid']['reward']:.1f} "
+          f"ood {100 * evals[-1]['ood']['reward']:.1f} ({time.time() - t0:.0f}s)", flush=True)
+    if job.trains:
+        for target in list(range(args.eval_every, args.steps, args.eval_every)) + [args.steps]:
+            cfg.train.steps = target
+            job.train(writer)
+            evals.append(eval_record(job, target, iid, ood))
+            print(f"[{variant} seed {seed}] step {target}: iid {100 * evals[-1]['iid']['reward']:.1f} "
+                  f"ood {100 * evals[-1]['ood']['reward']:.1f} ({time.time() - t0:.0f}s)", flush=True)
+    train = [{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in writer.read("train")]
+    writer.close()
+    rec = {"variant": variant, "seed": seed, "steps": cfg.train.steps if job.trains else 0,
+           "wall_s": time.time() - t0, "evals": evals, "train": train}
+    done.write_text(json.dumps(rec, default=str))
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="A,B,C,D", help="comma-separated (A is always run as the reference)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-tasks", type=int, default=24, help="first N tasks of the iid and of the OOD split")
+    ap.add_argument("--workdir", default="runs/learning")
+    ap.add_argument("--config", default=str(ROOT / "configs/learn_cpu.py"))
+    ap.add_argument("--set", action="append", default=[], metavar="GROUP.FIELD=VALUE",
+                    help="config override for every run, e.g. --set rollout.max_new_tokens=64")
+    ap.add_argument("--fresh", action="store_true", help="rerun (variant, seed) pairs that already finished")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.eval_every < 1:
+        ap.error("--steps and --eval-every must be >= 1")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if "A" not in variants:
+        variants = ["A", *variants]
+    unknown = [v for v in variants if v not in ("A", "B", "B++", "C", "D")]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from A, B, B++, C, D")
+    from morse_jax.main import _quiet_logs
+    from morse_jax.tasks.pyfuncs_data import load_split
+
+    _quiet_logs()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    iid, ood = load_split("iid", args.eval_tasks), load_split("ood", args.eval_tasks)
+    t0 = time.time()
+    runs = [run_one(args, v, s, iid, ood) for v in variants for s in args.seeds]
+    info = {"command": "python bench/learning.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "config": Path(args.config).name, "eval tasks": f"{len(iid)} iid + {len(ood)} OOD (greedy)",
+            "wall time of this invocation (s)": round(time.time() - t0, 1),
+            "wall time of all runs (s)": round(sum(r["wall_s"] for r in runs), 1)}
+    summary = write_outputs(workdir, runs, info)
+    print(f"wrote {workdir / 'learning.md'}, learning.json, learning.png")
+    print(headline(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""Does it learn? The PyFuncs task family on 2 CPU cores: variants A / B / C / D (issue 16).
+
+The embedded SmolLM2-135M-Instruct, generated multi-step Python tasks (morse_jax/tasks/pyfuncs*.py;
+template DAG: 2-3 helper functions, then a merge + ``solve``), training tasks from the ``train``
+split, evaluation on the iid split (``--config.data.eval=ood`` for the OOD split). Sized so that
+``bench/learning.py --variants A,B,C,D --seeds 0 1 2`` fits in about 2 h of both cores.
+Variants: ``--config configs/learn_cpu.py:B`` (A, B, B++, C, D, single_agent, base), written to
+runs/learn_cpu_<variant>.
+"""
+
+from morse_jax.default_config import apply_variant, get_config as defaults, variant_dir
+
+
+def get_config(variant="D"):
+    c = defaults()
+    c.mode = "train"
+    c.workdir = f"runs/learn_cpu_{variant_dir(variant)}"
+    c.model.path = "embedded"
+    c.data.family = "pyfuncs"
+    c.data.train = "train"
+    c.data.eval = "iid"
+    c.data.max_eval_tasks = 24  # fixed held-out set: the first 24 tasks of the split
+    c.data.tasks_per_step = 2
+    c.rollout.routes = 2  # B
+    c.rollout.candidates = 4  # M: 8 samples per execute call, 4 per merge call
+    c.rollout.max_attempts = 2
+    c.rollout.temperature = 0.8
+    c.rollout.top_p = 0.95
+    c.rollout.max_new_tokens = 96  # the functions are 1-5 lines
+    c.rollout.eval_max_new_tokens = 96
+    c.train.steps = 30
+    c.train.micro_batch = 8
+    c.train.lora_lr = 2e-4
+    c.train.checkpoint_every = 5
+    return apply_variant(c, variant)

@@ -1,0 +1,105 @@
+"""bench/learning.py (runner + report statistics) and bench/variance.py (Prop 3.1 estimator)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import learning_report as lr  # noqa: E402
+import variance as vb  # noqa: E402
+
+
+def _run(variant, seed, rewards_iid, rewards_ood, steps=(0, 5, 10)):
+    evals = [{"step": s, "iid": {"reward": ri, "node_pass": ri / 2, "task_pass": 0.0},
+              "ood": {"reward": ro, "node_pass": ro / 2, "task_pass": 0.0},
+              "router_entropy": 1.0, "expert_sets": {"S0+S1": 3, "S1+S2": 1}}
+             for s, ri, ro in zip(steps, rewards_iid, rewards_ood)]
+    return {"variant": variant, "seed": seed, "wall_s": 1.0, "evals": evals,
+            "train": [{"step": 1, "skipped_within": 0.25, "reward_mean": 0.3}]}
+
+
+def test_summary_deltas_curves_welch_and_headline():
+    runs = [_run("A", 0, [0.30], [0.20], steps=(0,)), _run("A", 1, [0.32], [0.22], steps=(0,)),
+            _run("D", 0, [0.30, 0.35, 0.45], [0.20, 0.22, 0.25]), _run("D", 1, [0.32, 0.40, 0.50], [0.22, 0.24, 0.30]),
+            _run("B", 0, [0.30, 0.31, 0.33], [0.20, 0.20, 0.21]), _run("B", 1, [0.32, 0.33, 0.36], [0.22, 0.21, 0.23])]
+    s = lr.summarize(runs)
+    d = s["variants"]["D"]
+    assert d["delta_iid"] == pytest.approx(100 * ((0.45 + 0.50) / 2 - (0.30 + 0.32) / 2))
+    assert d["delta_iid_per_seed"] == {"0": pytest.approx(15.0), "1": pytest.approx(18.0)}
+    assert s["steps"] == [0, 5, 10]
+    assert s["variants"]["A"]["curve"]["iid"]["mean"] == pytest.approx([0.31, 0.31, 0.31])  # A: flat
+    assert d["curve"]["iid"]["mean"] == pytest.approx([0.31, 0.375, 0.475])
+    # Welch's t from its definition: (ma - mb) / sqrt(va/na + vb/nb), sample variances
+    a, b = np.array([0.45, 0.50]), np.array([0.33, 0.36])
+    t = (a.mean() - b.mean()) / math.sqrt(a.var(ddof=1) / 2 + b.var(ddof=1) / 2)
+    assert s["welch_D_vs"]["B"]["iid_t"] == pytest.approx(t)
+    assert 0 < s["welch_D_vs"]["B"]["iid_p"] < 1
+    assert d["expert_pair_shares"] == {"S0+S1": 0.75, "S1+S2": 0.25}
+    assert lr.headline(s) == "learning: D-A +16.5 points on held-out iid tasks (seeds 0 1)"
+    md = lr.render_markdown(s, {"command": "x"})
+    assert "| D: MoLE + HGRPO (MoRSE) | 0 1 |" in md and md.rstrip().endswith(lr.headline(s))
+
+
+def test_welch_is_nan_for_a_single_seed():
+    assert all(math.isnan(x) for x in lr.welch([0.4], [0.3, 0.2]))
+
+
+def test_router_entropy_from_its_definition():
+    p = [0.5, 0.25, 0.25, 0.0]
+    want = -sum(x * math.log(x) for x in p if x > 0)
+    assert lr.router_entropy([{"probs": p}, {"probs": [1, 0, 0, 0]}]) == pytest.approx(want / 2, abs=1e-9)
+
+
+def test_estimator_is_the_advantage_weighted_mean_score():
+    from morse_jax.rl.hgrpo import get_advantage_fn
+
+    rewards = np.array([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    grads = np.arange(2 * 3 * 2, dtype=np.float32).reshape(2, 3, 2)
+    idx = np.array([[[0, 1], [1, 2]]])  # one resampling, B=2, M=2
+    est, _ = vb.estimator_variance(rewards, grads, idx, get_advantage_fn("hgrpo"), normalize=False)
+    u = np.array([[1.0, 0.0], [0.0, 1.0]])
+    adv = u - u.mean(1, keepdims=True)  # within-route centring, Prop 3.1's unnormalised form
+    g = np.stack([grads[0, [0, 1]], grads[1, [1, 2]]])
+    assert est[0] == pytest.approx(np.einsum("bm,bmd->d", adv, g) / 4)
+    est_f, _ = vb.estimator_variance(rewards, grads, idx, get_advantage_fn("grpo"), normalize=False)
+    assert est_f[0] == pytest.approx(np.einsum("bm,bmd->d", u - u.mean(), g) / 4)
+
+
+def test_hgrpo_variance_is_lower_when_routes_differ_in_quality():
+    """Prop 3.1 on synthetic rollouts: route means far apart, scores independent of rewards."""
+    from morse_jax.rl.hgrpo import get_advantage_fn
+
+    rng = np.random.default_rng(0)
+    rewards = np.stack([rng.binomial(1, 0.9, 16), rng.binomial(1, 0.1, 16)]).astype(float)
+    grads = rng.normal(size=(2, 16, 8)).astype(np.float32)
+    idx = rng.integers(0, 16, (3000, 2, 4))
+    _, dh = vb.estimator_variance(rewards, grads, idx, get_advantage_fn("hgrpo"), normalize=False)
+    _, df = vb.estimator_variance(rewards, grads, idx, get_advantage_fn("grpo"), normalize=False)
+    ratio, lo, hi = vb.ratio_with_ci(dh[None], df[None], boots=300)
+    assert lo <= ratio <= hi < 1.0
+
+
+@pytest.mark.slow
+def test_tiny_runner_run_end_to_end(tmp_path):
+    """bench/learning.py on the embedded model, 1 step, 1 eval task per split (minutes on 2 cores)."""
+    cmd = [sys.executable, str(ROOT / "bench/learning.py"), "--variants", "D", "--seeds", "0", "--steps", "1",
+           "--eval-every", "1", "--eval-tasks", "1", "--workdir", str(tmp_path),
+           "--set", "rollout.max_new_tokens=24", "--set", "rollout.eval_max_new_tokens=24",
+           "--set", "rollout.routes=1", "--set", "rollout.candidates=2", "--set", "rollout.max_attempts=1",
+           "--set", "data.tasks_per_step=1"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("learning: D-A ")
+    rec = json.loads((tmp_path / "learning.json").read_text())
+    assert set(rec["summary"]["variants"]) == {"A", "D"}
+    assert [e["step"] for e in rec["runs"][1]["evals"]] == [0, 1]
+    assert (tmp_path / "learning.png").exists() and (tmp_path / "learning.md").exists()

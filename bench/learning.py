@@ -6,7 +6,9 @@ Each (variant, seed) trains through the main job (:class:`morse_jax.job.Job`, th
 ``configs/learn_cpu.py:<variant>`` with ``seed``) in chunks of ``--eval-every`` steps (each chunk
 resumes from the previous chunk's checkpoint), and after every chunk (and before the first)
 evaluates the fixed first ``--eval-tasks`` tasks of the iid and of the OOD split with greedy
-decoding. Variant A (untrained) is evaluated once per seed, and always runs as the reference.
+decoding. Variant A (untrained) is evaluated once per seed, and always runs as the reference;
+its evaluation is the step-0 point of every trained variant of that seed (all start from the
+backbone: LoRA B matrices are zero at init, so greedy outputs are identical).
 A finished (variant, seed) is kept (``<workdir>/<variant>_s<seed>/learning_run.json``) and not rerun,
 so an interrupted matrix resumes; ``--fresh`` starts over. Writes ``learning.json``,
 ``learning.md`` and ``learning.png`` (bench/learning_report.py) to ``--workdir``; the last printed
@@ -65,7 +67,9 @@ def eval_record(job, step: int, iid, ood) -> dict:
     return rec
 
 
-def run_one(args, variant: str, seed: int, iid, ood) -> dict:
+def run_one(args, variant: str, seed: int, iid, ood, step0: dict | None = None) -> dict:
+    """Train and evaluate one (variant, seed); ``step0``: the untrained evaluation to reuse as
+    step 0 (A's of the same seed: every variant starts from zero B matrices, i.e. the backbone)."""
     from morse_jax.configuration import validate_config
     from morse_jax.job import Job
     from morse_jax.metrics_log import MetricsWriter
@@ -89,7 +93,7 @@ def run_one(args, variant: str, seed: int, iid, ood) -> dict:
     t0 = time.time()
     job = Job(cfg, load_tasks=True)
     writer = MetricsWriter(run_dir)
-    evals = [eval_record(job, 0, iid, ood)]
+    evals = [dict(step0, step=0, reused_from="A") if step0 is not None else eval_record(job, 0, iid, ood)]
     print(f"[{variant} seed {seed}] step 0: iid {100 * evals[-1]['iid']['reward']:.1f} "
           f"ood {100 * evals[-1]['ood']['reward']:.1f} ({time.time() - t0:.0f}s)", flush=True)
     if job.trains:
@@ -136,7 +140,9 @@ def main(argv=None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     iid, ood = load_split("iid", args.eval_tasks), load_split("ood", args.eval_tasks)
     t0 = time.time()
-    runs = [run_one(args, v, s, iid, ood) for v in variants for s in args.seeds]
+    runs = [run_one(args, "A", s, iid, ood) for s in args.seeds]
+    a_eval = {r["seed"]: r["evals"][0] for r in runs}
+    runs += [run_one(args, v, s, iid, ood, a_eval[s]) for v in variants if v != "A" for s in args.seeds]
     info = {"command": "python bench/learning.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "config": Path(args.config).name, "eval tasks": f"{len(iid)} iid + {len(ood)} OOD (greedy)",
             "wall time of this invocation (s)": round(time.time() - t0, 1),

@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=None, help="default: the config's rollout.temperature")
     ap.add_argument("--out", default="", help="write the figures as JSON here")
+    ap.add_argument("--dump", default="", help="append every completion with its reward as JSON lines here")
     args = ap.parse_args(argv)
 
     import importlib.util
@@ -58,7 +59,9 @@ def main(argv=None) -> int:
             calls.append((t, node, "execute", job.encode([*msgs, {"role": "assistant", "content": prefix}]), prefix, ctx))
             if node.id == SOLVE:
                 arts = [fam.reference_artifact(t, plan.node(p)) for p in node.depends_on]
-                calls.append((t, node, "merge", job.encode(fam.merge_messages(t, node, arts)), "", ""))
+                mprefix = fam.answer_prefix(t, node, "merge")
+                calls.append((t, node, "merge", job.encode([*fam.merge_messages(t, node, arts),
+                                                            {"role": "assistant", "content": mprefix}]), mprefix, ""))
     out = {}
     for label, temperature, k in (("sampled", temp, args.samples), ("greedy", 0.0, 1)):
         reqs = [Request(prompt_ids=ids, max_new_tokens=cfg.rollout.max_new_tokens, temperature=temperature,
@@ -79,6 +82,15 @@ def main(argv=None) -> int:
         with ThreadPoolExecutor(2) as pool:
             results = list(pool.map(lambda j: j[2](), jobs))
         ver_s = time.time() - t0
+        if args.dump:
+            with open(args.dump, "a") as f:
+                for i, (t, node, role, _, prefix, _) in enumerate(calls):
+                    for j in range(k):
+                        r = results[i * k + j]
+                        f.write(json.dumps({"label": label, "task": t.task_id, "node": node.id, "role": role,
+                                            "reward": r.reward, "gate": r.gate, "diagnostic": r.diagnostic,
+                                            "tokens": len(comps[i * k + j].token_ids),
+                                            "text": prefix + comps[i * k + j].text}) + "\n")
         per = collections.defaultdict(list)
         for (i, role, _), r in zip(jobs, results):
             per[(i, role)].append(r)

@@ -11,7 +11,7 @@ them. Built for "does it learn?" experiments on a laptop (issue 16).
   call writes ``solve`` on top of it -- both roles and several subtask kinds occur every task.
 * **Answer prefix**: an execute answer starts with the fenced ``def`` line ending at its colon
   (```` ```python\\ndef f(xs: list[int]) -> int: ````); never with a bare trailing newline, which
-  silences SmolLM2. Merges get no prefix.
+  silences SmolLM2. A merge answer starts with its first parent function's ``def`` line.
 * **Reward** of a node is the fraction of its hidden tests passed, behind a static gate (the code
   parses and defines the function with the right parameters and a body); a merge's reward is the
   fraction of its parents' hidden tests the merged program still passes. Outputs are recorded in
@@ -83,10 +83,14 @@ class PyFuncsFamily:
         return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}]
 
     def answer_prefix(self, task: Task, node: PlanNode, role: str) -> str:
-        """Execute answers start with the fenced ``def`` line, ending at its colon (no newline)."""
-        if role != "execute":
-            return ""
-        _, step = self._step(task, node)
+        """Answers start with a fenced ``def`` line ending at its colon (never a bare newline): an
+        execute answer with its own function's, a merge answer with its first parent's (whose code
+        it then copies)."""
+        p, step = self._step(task, node)
+        if role == "merge":
+            if not node.depends_on:
+                return ""
+            return f"```python\n{p.step(node.depends_on[0]).spec.header}"
         return f"```python\n{step.spec.header}"
 
     def extract_artifact(self, task: Task, node: PlanNode, completion: str, context: str | None = None) -> str:

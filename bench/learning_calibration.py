@@ -65,7 +65,8 @@ def main(argv=None) -> int:
     out = {}
     for label, temperature, k in (("sampled", temp, args.samples), ("greedy", 0.0, 1)):
         reqs = [Request(prompt_ids=ids, max_new_tokens=cfg.rollout.max_new_tokens, temperature=temperature,
-                        top_p=cfg.rollout.top_p if temperature > 0 else 1.0, stop_token_ids=job.stop_ids)
+                        top_p=cfg.rollout.top_p if temperature > 0 else 1.0, stop_token_ids=job.stop_ids,
+                        stop_strings=fam.stop_strings)
                 for (_, _, _, ids, _, _) in calls for _ in range(k)]
         t0 = time.time()
         comps = job.generate(reqs)

@@ -225,6 +225,8 @@ class Job:
             eval_sampling=SamplingSettings(r.eval_temperature, 1.0, r.eval_max_new_tokens),
             planner_sampling=SamplingSettings(0.0, 1.0, r.planner_max_new_tokens),
             stop_token_ids=self.stop_ids, min_nodes=r.min_nodes, max_nodes=r.max_nodes,
+            # a family may end answers early (PyFuncs: at the closing code fence)
+            stop_strings=tuple(getattr(self.family, "stop_strings", ())),
             max_replans=r.max_replans, planner_prefix=r.planner_prefix,
             answer_prefix=r.answer_prefix, seed=self.cfg.seed)
         families = {self.family.name: self.family} if self.family is not None else {}

@@ -67,16 +67,25 @@ def test_splits_are_disjoint_and_ood_templates_never_reach_training():
     assert all(set(t.payload.templates) & set(OOD_TEMPLATES) for t in ood)
 
 
-def test_every_test_case_round_trips_through_the_literal_and_encoding_the_sandbox_uses():
-    """In process, for every task of every split: the reference applied to the literal-parsed input
-    encodes exactly as the stored expected value (what the sandbox comparison relies on)."""
+def _round_trip(n: int):
     for split in pd.SPLITS:
-        for t in pd.load_split(split):
+        for t in pd.load_split(split, n):
             for s in t.payload.steps:
                 src = merged_reference(t.payload) + "\n" + s.spec.reference if s.node_id == pd.SOLVE else s.spec.reference
                 fn = reference_function(src, s.spec.name)
                 for c in (*s.examples, *s.tests):
                     assert encode_value(fn(ast.literal_eval(c.input_repr))) == encode_value(c.expected), (t.task_id, s.node_id)
+
+
+def test_test_cases_round_trip_through_the_literal_and_encoding_the_sandbox_uses():
+    """In process: the reference applied to the literal-parsed input encodes exactly as the stored
+    expected value (what the sandbox comparison relies on); the first 150 tasks of each split."""
+    _round_trip(150)
+
+
+@pytest.mark.slow
+def test_every_task_of_every_split_round_trips():
+    _round_trip(0)
 
 
 @pytest.mark.parametrize("split,index", [("train", 0), ("train", 7), ("iid", 1), ("ood", 2)])
@@ -196,3 +205,16 @@ def test_reference_and_wrong_solutions_in_the_sandbox_for_many_tasks():
                 assert FAM.verify(t, node, FAM.reference_artifact(t, node)).reward == 1.0, (t.task_id, node.id)
                 if node.id != pd.SOLVE:
                     assert FAM.verify(t, node, _perturbed(t.payload.step(node.id).spec)).reward < 1.0
+
+
+def test_solve_answer_cannot_replace_a_merged_helper_and_top_level_calls_are_dropped():
+    task = pd.make_task("train", 0)
+    node = FAM.fixed_plan(task).node(pd.SOLVE)
+    h1 = task.payload.helpers[0].spec
+    solve = task.payload.solve.spec
+    # a correct solve followed by a wrong rewrite of a helper and an example call that would raise
+    reply = (f"```python\n{solve.reference}\ndef {h1.name}({h1.param}):\n    return None\n\n"
+             f"print(solve(None))\n```")
+    art = FAM.extract_artifact(task, node, reply, context=merged_reference(task.payload))
+    assert FAM.verify(task, node, art).reward == 1.0
+    assert FAM.stop_strings == ("```",)  # answers end at the closing fence (the prefix holds the opening one)

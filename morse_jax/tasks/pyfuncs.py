@@ -38,6 +38,9 @@ class PyFuncsFamily:
     """PyFuncs as a :class:`~morse_jax.tasks.base.TaskFamily` (template DAG, sandboxed hidden tests)."""
 
     name = FAMILY
+    # Answers end at the closing fence (the opening one is in the answer prefix): what a small
+    # model writes after its code (usage, prose) costs decode steps and is never part of the artifact.
+    stop_strings = ("```",)
 
     def __init__(self, limits: Limits | None = None):
         self.limits = limits or Limits()
@@ -95,8 +98,9 @@ class PyFuncsFamily:
 
     def extract_artifact(self, task: Task, node: PlanNode, completion: str, context: str | None = None) -> str:
         """A helper's artifact is its code; solve's is the merged helpers, a marker, then solve's code."""
-        _, step = self._step(task, node)
-        code = extract_code(completion, step.spec.name)
+        p, step = self._step(task, node)
+        others = {s.spec.name for s in p.steps if s.node_id != node.id}
+        code = definitions_only(extract_code(completion, step.spec.name), drop=others)
         if node.id != SOLVE:
             return code
         if context is None:
@@ -149,6 +153,30 @@ class PyFuncsFamily:
         if node.id != SOLVE:
             return step.spec.reference
         return join_program(merged_reference(p), SOLVE, step.spec.reference)
+
+
+def definitions_only(code: str, drop=()) -> str:
+    """The reply's imports, constants, classes and functions, without top-level statements (example
+    calls, prints, asserts run at import time) and without functions named in ``drop`` (another
+    node's function: a ``solve`` answer that rewrites a helper must not replace the merged one).
+    Code that does not parse is returned as it is, for the gate to reject."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return code
+    keep = []
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if n.name not in drop:
+                keep.append(n)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            keep.append(n)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)) and not any(isinstance(x, ast.Call) for x in ast.walk(n)):
+            keep.append(n)
+    lines = code.splitlines()
+    parts = ["\n".join(lines[(n.decorator_list[0].lineno if getattr(n, "decorator_list", None) else n.lineno) - 1:
+                             n.end_lineno]) for n in keep]
+    return "\n\n".join(parts) + "\n" if parts else code
 
 
 def node_description(step: Step) -> str:

@@ -29,7 +29,7 @@ from morse_jax.tasks.pyfuncs_templates import (OOD_TEMPLATES, TEMPLATE_LIST, TYP
 FAMILY = "pyfuncs"
 SPLITS = ("train", "iid", "ood")
 SPLIT_SIZES = {"train": 4000, "iid": 400, "ood": 400}  # tasks per split (more are never needed on CPU)
-N_EXAMPLES, N_TESTS, N_SOLVE_TESTS = 2, 6, 5
+N_EXAMPLES, N_TESTS, N_SOLVE_TESTS = 3, 6, 5
 SOLVE = "solve"
 
 
@@ -91,10 +91,16 @@ def _chain(rng: random.Random, pool: Sequence, length: int):
     raise RuntimeError("no template chain found")  # pragma: no cover -- the template set always has some
 
 
-def _cases(rng: random.Random, spec_input, fn, n: int) -> tuple[Case, ...]:
+def _cases(rng: random.Random, spec_input, fn, n: int, *, informative: bool = False) -> tuple[Case, ...]:
+    """n calls on random inputs; ``informative``: prefer inputs the function changes (an example
+    where a string op leaves its input as it is shows the model nothing)."""
     out = []
     for _ in range(n):
         x = spec_input(rng)
+        for _ in range(20 if informative else 0):
+            if fn(x) != x:
+                break
+            x = spec_input(rng)
         out.append(Case(repr(x), fn(x)))
     return tuple(out)
 
@@ -113,9 +119,7 @@ def solve_spec(helpers: Sequence[FunctionSpec]) -> FunctionSpec:
     call = first.param
     for h in helpers:
         call = f"{h.name}({call})"
-    order = ", then ".join(f"`{h.name}`" for h in helpers)
-    doc = (f"Return {call}: apply the already defined functions {order} in this order, each to the "
-           "result of the previous one.")
+    doc = f"Return {call}. Call the functions defined above; do not define them again."
     header = f"def {SOLVE}({first.param}: {TYPES[first.in_type][0]}) -> {TYPES[last.out_type][0]}:"
     return FunctionSpec("compose", "compose", first.in_type, last.out_type, SOLVE, doc,
                         f"{header}\n    return {call}\n", ())
@@ -137,11 +141,12 @@ def make_task(split: str, index: int) -> Task:
         chain = _chain(rng, [t for t in TEMPLATE_LIST if t.key not in OOD_TEMPLATES], length)
     specs = [draw_spec(t, rng) for t in chain]
     fns = [reference_function(s.reference, s.name) for s in specs]
-    helpers = tuple(Step(f"f{i + 1}", s, _cases(rng, s.make_input, f, N_EXAMPLES), _cases(rng, s.make_input, f, N_TESTS))
+    helpers = tuple(Step(f"f{i + 1}", s, _cases(rng, s.make_input, f, N_EXAMPLES, informative=True),
+                         _cases(rng, s.make_input, f, N_TESTS))
                     for i, (s, f) in enumerate(zip(specs, fns)))
     solve = _compose(fns)
     sspec = solve_spec(specs)
-    solve_step = Step(SOLVE, sspec, _cases(rng, specs[0].make_input, solve, N_EXAMPLES),
+    solve_step = Step(SOLVE, sspec, _cases(rng, specs[0].make_input, solve, N_EXAMPLES, informative=True),
                       _cases(rng, specs[0].make_input, solve, N_SOLVE_TESTS))
     payload = PyFuncsTask(split, index, helpers, solve_step)
     return Task(f"{split}-{index:05d}", task_description(payload), FAMILY, payload)

@@ -1,6 +1,6 @@
 """Does it learn? Train variants x seeds on PyFuncs and evaluate held-out reward every k steps (issue 16).
 
-    python bench/learning.py --variants A,B,C,D --seeds 0 1 2 --steps 30 --eval-every 10 --workdir runs/learning
+    python bench/learning.py --variants A,B,C,D --seeds 0 1 2 --steps 20 --eval-every 5 --workdir runs/learning
 
 Each (variant, seed) trains through the main job (:class:`morse_jax.job.Job`, the config
 ``configs/learn_cpu.py:<variant>`` with ``seed``) in chunks of ``--eval-every`` steps (each chunk
@@ -115,9 +115,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="A,B,C,D", help="comma-separated (A is always run as the reference)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--eval-tasks", type=int, default=24, help="first N tasks of the iid and of the OOD split")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--eval-tasks", type=int, default=20, help="first N tasks of the iid and of the OOD split")
     ap.add_argument("--workdir", default="runs/learning")
     ap.add_argument("--config", default=str(ROOT / "configs/learn_cpu.py"))
     ap.add_argument("--set", action="append", default=[], metavar="GROUP.FIELD=VALUE",

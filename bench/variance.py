@@ -58,12 +58,16 @@ def ratio_with_ci(dev_h: np.ndarray, dev_f: np.ndarray, *, boots: int = 2000, se
     """ratio = sum(dev_h) / sum(dev_f) over [nodes, R] deviations, with a 95 % bootstrap interval
     (resampling the R resamplings of every node jointly for both estimators)."""
     rng = np.random.default_rng(seed)
+    if dev_f.sum() == 0:  # every pool constant: no estimator varies, there is nothing to compare
+        return float("nan"), float("nan"), float("nan")
     ratio = float(dev_h.sum() / dev_f.sum())
     R = dev_h.shape[1]
     out = []
     for _ in range(boots):
         j = rng.integers(0, R, R)
-        out.append(dev_h[:, j].sum() / dev_f[:, j].sum())
+        den = dev_f[:, j].sum()
+        if den > 0:
+            out.append(dev_h[:, j].sum() / den)
     lo, hi = np.percentile(out, [2.5, 97.5])
     return ratio, float(lo), float(hi)
 
@@ -177,6 +181,10 @@ def main(argv=None) -> int:
         print(f"variance ({name} advantages): HGRPO / flat GRPO = {ratio:.3f} (95% CI {lo:.3f}-{hi:.3f})", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
+    if skipped_all == len(data):
+        print("variance: n/a -- every sampled reward of every node was equal (no estimator varies); "
+              "use more nodes, a larger --pool or trained experts")
+        return 1
     print(f"variance: HGRPO / flat GRPO LoRA-expert gradient variance ratio {res['unnormalised']['ratio']:.3f} "
           f"(95% CI {res['unnormalised']['ci95'][0]:.3f}-{res['unnormalised']['ci95'][1]:.3f}; normalised "
           f"{res['normalised']['ratio']:.3f}) over {len(data)} nodes, B={args.routes}, M={args.group}; experts: {loaded}"

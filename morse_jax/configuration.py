@@ -103,6 +103,12 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
     if cfg.mode == "train" and VARIANTS[cfg.variant].orchestration == "none":
         raise ConfigError(f"config.mode: variant {cfg.variant!r} has no adapters to train; use mode=eval")
     _derived_objects(cfg)
+    if cfg.rollout.eval_max_attempts < 1:
+        raise ConfigError(f"config.rollout.eval_max_attempts: must be >= 1, got {cfg.rollout.eval_max_attempts}")
+    for name, allowed in (("merge_candidates", ("routes_x_candidates", "candidates")),
+                          ("scicode_dag", ("chain", "planner"))):
+        if cfg.rollout[name] not in allowed:
+            raise ConfigError(f"config.rollout.{name}: must be one of {allowed}, got {cfg.rollout[name]!r}")
     for name in ("lora_lr", "router_lr"):
         if cfg.train[name] <= 0:
             raise ConfigError(f"config.train.{name}: must be > 0, got {cfg.train[name]}")

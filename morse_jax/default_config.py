@@ -99,9 +99,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.eval_max_new_tokens = 1024  # App. I: 8192
     c.rollout.eval_top_p = 1.0  # nucleus mass at evaluation (App. I: 0.95)
     c.rollout.eval_max_attempts = 3  # calls per node at evaluation (1 = no revision, App. I)
-    # merge calls in training: "routes_x_candidates" (B x M, the same loop as execute calls, Alg. 1)
-    # or "candidates" (M only; cheaper, for CPU runs)
-    c.rollout.merge_candidates = "candidates"
+    # merge calls in training: "routes_x_candidates" (B x M, the same loop as execute calls, Alg. 1;
+    # a merge "route" is one draw of the inherited expert set) or "candidates" (M only; cheaper)
+    c.rollout.merge_candidates = "routes_x_candidates"
     c.rollout.scicode_dag = "chain"  # chain: SciCode steps in order | planner: dependencies inferred by the planner
     c.rollout.planner_max_new_tokens = 512
     c.rollout.min_nodes = 2  # planner bounds on the DAG size (authors' SRDD planner: 5-8)
@@ -109,6 +109,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.max_replans = 2  # planner re-asks after a rejected plan before the one-node fallback
     c.rollout.planner_prefix = '{"nodes": ['  # the planner's answer starts here ("" = free-form)
     c.rollout.answer_prefix = True  # families may start answers (SciCode: the step's function header)
+    c.rollout.heal_answer_prefix = True  # token healing: drop the prompt's last token, first token re-writes it
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 100  # HGRPO steps (each rolls out data.tasks_per_step tasks)

@@ -72,6 +72,29 @@ def train_config(cfg) -> TrainConfig:
                        reuse_prefix_states=t.reuse_prefix_states)
 
 
+def orchestrator_config(cfg, mode: str, *, stop_token_ids=(), stop_strings=(),
+                        single_agent: bool | None = None) -> OrchestratorConfig:
+    """The orchestrator's settings from the job config (every rollout knob comes from ``cfg.rollout``).
+
+    single_agent: None = ``cfg.rollout.single_agent``, else forced (``solve``'s baseline).
+    """
+    r = cfg.rollout
+    return OrchestratorConfig(
+        mode=mode, variant=VARIANTS[cfg.variant].orchestration, routes_per_node=r.routes,
+        candidates_per_route=r.candidates,
+        top_k=cfg.mole.top_k, max_attempts=r.max_attempts, eval_max_attempts=r.eval_max_attempts,
+        merge_mode=cfg.mole.merge_mode, merge_candidates=r.merge_candidates,
+        fixed_plan_dependencies="planner" if r.scicode_dag == "planner" else "keep",
+        single_agent=cfg.rollout.single_agent if single_agent is None else single_agent,
+        train_sampling=SamplingSettings(r.temperature, r.top_p, r.max_new_tokens),
+        eval_sampling=SamplingSettings(r.eval_temperature, r.eval_top_p, r.eval_max_new_tokens),
+        planner_sampling=SamplingSettings(0.0, 1.0, r.planner_max_new_tokens),
+        stop_token_ids=tuple(stop_token_ids), stop_strings=tuple(stop_strings), min_nodes=r.min_nodes,
+        max_nodes=r.max_nodes,
+        max_replans=r.max_replans, planner_prefix=r.planner_prefix, answer_prefix=r.answer_prefix,
+        heal_answer_prefix=r.heal_answer_prefix, seed=cfg.seed)
+
+
 class Job:
     """Everything one run needs. ``log_fn`` receives human-readable progress lines."""
 
@@ -213,22 +236,12 @@ class Job:
         return ids[0, :mask[0].sum()].tolist()
 
     def orchestrator(self, mode: str, *, single_agent: bool | None = None) -> Orchestrator:
-        r = self.cfg.rollout
         variant = self.orch_variant
         if mode == "train" and self.spec is None:
             raise ValueError(f"config.variant={self.variant!r} has no adapters to train; use config.mode=eval")
-        ocfg = OrchestratorConfig(
-            mode=mode, variant=variant, routes_per_node=r.routes, candidates_per_route=r.candidates,
-            top_k=self.cfg.mole.top_k, max_attempts=r.max_attempts, merge_mode=self.cfg.mole.merge_mode,
-            single_agent=self.cfg.rollout.single_agent if single_agent is None else single_agent,
-            train_sampling=SamplingSettings(r.temperature, r.top_p, r.max_new_tokens),
-            eval_sampling=SamplingSettings(r.eval_temperature, 1.0, r.eval_max_new_tokens),
-            planner_sampling=SamplingSettings(0.0, 1.0, r.planner_max_new_tokens),
-            stop_token_ids=self.stop_ids, min_nodes=r.min_nodes, max_nodes=r.max_nodes,
-            # a family may end answers early (PyFuncs: at the closing code fence)
-            stop_strings=tuple(getattr(self.family, "stop_strings", ())),
-            max_replans=r.max_replans, planner_prefix=r.planner_prefix,
-            answer_prefix=r.answer_prefix, seed=self.cfg.seed)
+        # a family may end answers early (PyFuncs: at the closing code fence)
+        ocfg = orchestrator_config(self.cfg, mode, stop_token_ids=self.stop_ids, single_agent=single_agent,
+                                   stop_strings=tuple(getattr(self.family, "stop_strings", ())))
         families = {self.family.name: self.family} if self.family is not None else {}
         route_fn = self.route if variant in ("mole", "flat_mole") else None
         return Orchestrator(families, self.spec, self.generate, route_fn, self.encode, ocfg,

@@ -171,7 +171,7 @@ def test_verifications_of_a_wave_run_concurrently():
 
 def test_verifier_exception_is_a_counted_gate_failure():
     h = Harness(script=lambda i: "CRASH" if i["node"] == "x" else "ok")
-    res = h.orchestrator(FakeFamily(raise_on="CRASH"), mode="eval", max_attempts=2).run([task("T", CHAIN)])
+    res = h.orchestrator(FakeFamily(raise_on="CRASH"), mode="eval", eval_max_attempts=2).run([task("T", CHAIN)])
     nx_ = res.traces["T"].nodes["x"]
     assert nx_.status == "failed" and "verifier error" in nx_.result.diagnostic
     assert res.counters.verifier_errors == 2
@@ -211,6 +211,43 @@ def test_merge_inherits_union_of_parents_routed_experts():
     assert d_exec["context"] == tr["d"].merge_artifact == "merged:d"
 
 
+@pytest.mark.parametrize("merge_mode", ["union", "random_subset"])
+def test_merge_routes_x_candidates_follows_the_execute_loop(merge_mode):
+    """Alg. 1: mergers follow the same B x M loop; a merge "route" is one draw of the inherited set."""
+    routes = [(0, 1), (1, 2), (2, 3), (3, 0)]
+    by_route = _reward_by_route({"b": (0, 1), "c": (2, 3)})
+
+    def script(info):  # merge rewards 0.1, 0.3, 0.8 within each row (the merge is alone in its wave)
+        return f"merged R={(0.1, 0.3, 0.8)[info['index'] % 3]}" if info["kind"] == "merge" else by_route(info)
+
+    h = Harness(script=script, routes=lambda d, s, S: routes[s])
+    res = h.orchestrator(mode="train", routes_per_node=4, candidates_per_route=3, merge_mode=merge_mode,
+                         merge_candidates="routes_x_candidates", seed=3).run([task("T", DIAMOND)])
+    assert len(h.requests_of("merge")) == 4 * 3
+    (mg,) = [g for g in res.groups if g.role == "merge"]
+    assert mg.rewards.shape == (4, 3) and mg.routes == [] and mg.route_set_logp_old.shape == (0,)
+    union = {1, 2, 3, 4, 5}  # merge role + subtask experts {0,1} ∪ {2,3}
+    rows = [{c.expert_ids for c in row} for row in mg.candidates]
+    assert all(len(r) == 1 for r in rows)  # one active set per row (route)
+    sets = [set(next(iter(r))) for r in rows]
+    if merge_mode == "union":
+        assert all(s == union for s in sets)
+    else:
+        assert all(1 in s and s <= union and len(s) >= 2 for s in sets)
+    # the examples of each row form their own A_within group (Alg. 1 line 15)
+    from morse_jax.rl.batch import examples_from_groups
+    seqs, route_ex, _ = examples_from_groups([mg], advantage="hgrpo")
+    assert route_ex == []
+    u = np.array([0.1, 0.3, 0.8])
+    want = (u - u.mean()) / (u.std() + 1e-6)  # per row, population std (DESIGN §5)
+    got = np.array([e.advantage for e in seqs]).reshape(4, 3)
+    np.testing.assert_allclose(got, np.tile(want, (4, 1)), rtol=1e-4, atol=1e-4)
+    # eval: still one merge candidate
+    h2 = Harness(routes=lambda d, s, S: routes[s])
+    h2.orchestrator(mode="eval", merge_candidates="routes_x_candidates").run([task("T", DIAMOND)])
+    assert len(h2.requests_of("merge")) == 1
+
+
 def test_merge_random_subset_is_nonempty_subset_of_union():
     routes = [(0, 1), (2, 3)]
     h = Harness(script=_reward_by_route({"b": (0, 1), "c": (2, 3)}), routes=lambda d, s, S: routes[s])
@@ -227,7 +264,7 @@ def test_merge_random_subset_is_nonempty_subset_of_union():
 def test_merge_failure_is_regenerated_then_fails_node():
     h = Harness(script=lambda i: "BAD merge" if i["kind"] == "merge" else f"ok {i['node']}")
     plan = Plan((*DIAMOND.nodes, PlanNode("e", "E", "do e", ("d",))))
-    res = h.orchestrator(mode="eval", max_attempts=2).run([task("T", plan)])
+    res = h.orchestrator(mode="eval", eval_max_attempts=2).run([task("T", plan)])
     tr = res.traces["T"].nodes
     merges = h.requests_of("merge")
     assert len(merges) == 2 and "bad output at d" in merges[1]["messages"][-1]["content"]
@@ -240,11 +277,22 @@ def test_merge_failure_is_regenerated_then_fails_node():
 # ------------------------------------------------------------------------------ regeneration
 
 
+@pytest.mark.parametrize("mode, calls", [("eval", 1), ("train", 3)])
+def test_eval_uses_eval_max_attempts(mode, calls):
+    """App. I: no revision at evaluation -- eval_max_attempts=1 gives one call; training keeps max_attempts."""
+    h = Harness(script=lambda i: "BAD" if i["node"] == "y" else f"good {i['node']}")
+    res = h.orchestrator(mode=mode, max_attempts=3, eval_max_attempts=1, routes_per_node=1,
+                         candidates_per_route=1).run([task("T", CHAIN)])
+    tr = res.traces["T"].nodes
+    assert len(h.requests_of("exec", "y")) == calls and tr["y"].execute_attempts == calls
+    assert tr["y"].status == "failed" and res.counters.regenerations == calls - 1
+
+
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_regeneration_bound_diagnostic_and_blocking(mode):
     h = Harness(script=lambda i: "BAD" if i["node"] == "y" else f"good {i['node']}")
-    res = h.orchestrator(mode=mode, max_attempts=3, routes_per_node=2, candidates_per_route=2).run(
-        [task("T", CHAIN)])
+    res = h.orchestrator(mode=mode, max_attempts=3, eval_max_attempts=3, routes_per_node=2,
+                         candidates_per_route=2).run([task("T", CHAIN)])
     tr = res.traces["T"].nodes
     per_attempt = 1 if mode == "eval" else 4
     ys = h.requests_of("exec", "y")
@@ -443,7 +491,7 @@ def test_config_from_mapping_and_spec_checks():
 
 def test_render_trace_shows_dag_statuses_and_artifacts():
     h = Harness(script=lambda i: "BAD" if i["node"] == "b" else f"art {i['node']}")
-    res = h.orchestrator(mode="eval", max_attempts=1).run([task("T", DIAMOND)])
+    res = h.orchestrator(mode="eval", eval_max_attempts=1).run([task("T", DIAMOND)])
     text = render_trace(res.traces["T"])
     assert "Plan: 4 nodes" in text and "[join: merge of b, c]" in text
     assert "== a: A [passed]" in text and "   | art a" in text

@@ -15,8 +15,8 @@ parent gives the parent's artifact as context, none gives ''. Every artifact is 
 family (concurrently, in a thread pool: verifiers run sandboxed subprocesses). The best
 gate-passing candidate (highest reward, ties -> first in (route, candidate) order) is what
 propagates; when none passes, the call is regenerated in the next wave with the verifier's
-diagnostic, at most ``max_attempts`` times per call role, after which the node FAILS and all its
-descendants are blocked (never run). Merge calls get the diagnostic appended to their last user
+diagnostic, at most ``max_attempts`` times per call role (``eval_max_attempts`` in eval mode),
+after which the node FAILS and all its descendants are blocked (never run). Merge calls get the diagnostic appended to their last user
 message, since ``merge_messages`` has no diagnostic argument.
 
 Optional family hooks (looked up with ``getattr``): ``planner_hint`` (str or list, passed to the
@@ -343,15 +343,21 @@ class Orchestrator:
             if id(c) in routed_ids:
                 continue
             if c.role == "merge":
-                if cfg.variant in ("mole", "flat_mole"):
-                    parents = [c.ts.nodes[p].route for p in c.node.depends_on]
-                    active = tuple(merge_set(spec, parents, mode=cfg.merge_mode, rng=self._rng))
-                else:
-                    active = tuple(single_set(spec)) if cfg.variant == "single_lora" else ()
-                c.active, c.cols = [active], (M if train else 1)
+                # Alg. 1: "Merger nodes follow the same loop" -- B rows of M, each row one draw of the
+                # inherited set (no router decision: rows carry no route, A_cross drops out)
+                rows = B if (train and cfg.merge_candidates == "routes_x_candidates") else 1
+                c.active = [self._merge_active(c) for _ in range(rows)]
+                c.cols = M if train else 1
             else:
                 active = tuple(single_set(spec)) if cfg.variant == "single_lora" else ()
                 c.active, c.cols = [active], (B * M if train else 1)
+
+    def _merge_active(self, c: _Call) -> ActiveSet:
+        cfg, spec = self.config, self.spec
+        if cfg.variant in ("mole", "flat_mole"):
+            parents = [c.ts.nodes[p].route for p in c.node.depends_on]
+            return tuple(merge_set(spec, parents, mode=cfg.merge_mode, rng=self._rng))
+        return tuple(single_set(spec)) if cfg.variant == "single_lora" else ()
 
     def _messages(self, c: _Call) -> list:
         ts, node = c.ts, c.node
@@ -491,7 +497,7 @@ class Orchestrator:
         if best is not None:
             ts.diagnostics.pop((c.node.id, c.role), None)
             return
-        if c.attempt >= cfg.max_attempts:
+        if c.attempt >= cfg.attempts:
             nt.status = "failed"
             logger.info("task %s node %s failed after %d %s attempts: %s", ts.task.task_id, c.node.id,
                         c.attempt, c.role, diagnostic)

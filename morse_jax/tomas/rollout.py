@@ -26,6 +26,8 @@ ROLES = ("execute", "merge")
 MODES = ("train", "eval")
 VARIANTS = ("mole", "flat_mole", "single_lora", "none")
 MERGE_MODES = ("union", "random_subset")
+MERGE_CANDIDATES = ("routes_x_candidates", "candidates")
+FIXED_PLAN_DEPENDENCIES = ("keep", "planner")
 
 ActiveSet = tuple[tuple[int, float], ...]  # ((bank expert id, weight), ...); () = no adapter
 
@@ -299,8 +301,18 @@ class OrchestratorConfig:
       own route, one flat credit group), "single_lora" (B / B++: one always-active expert, no
       router), "none" (no adapters; eval only).
     routes_per_node (B), candidates_per_route (M), top_k (router K).
-    max_attempts: calls per node and role (1 + regenerations) before the node fails.
+    max_attempts: calls per node and role (1 + regenerations) before the node fails, in train mode.
+    eval_max_attempts: the same in eval mode (1 = no revision at evaluation, App. I on SciCode).
     merge_mode: merge experts = "union" of the parents' routed experts, or "random_subset".
+    merge_candidates: merge calls in train mode: "routes_x_candidates" (Alg. 1: B rows x M
+      candidates, like an execute call; a merge node has no router decision, so a "route" is one
+      draw of the inherited merge set -- the same union B times, or B independent random subsets
+      with merge_mode "random_subset" -- and each row is one A_within group, no A_cross) or
+      "candidates" (one row of M; cheaper).
+    fixed_plan_dependencies: for a family whose ``fixed_plan`` lists the task's steps (SciCode):
+      "keep" its dependencies (SciCode: the chain of steps) or let the "planner" infer them from
+      the step descriptions (the steps stay the nodes; validated; the fixed plan's dependencies
+      are the fallback after ``max_replans`` rejected answers).
     single_agent: no DAG: one node holding the whole task, same verify-and-regenerate budget.
     train_sampling / eval_sampling / planner_sampling: decoding settings per kind of call.
     min_nodes / max_nodes / max_replans: planner bounds and re-plan budget.
@@ -308,6 +320,10 @@ class OrchestratorConfig:
       e.g. '{"nodes": ['): small models then write the JSON instead of code. "" = none.
     answer_prefix: let families start their answers (``TaskFamily.answer_prefix(task, node, role)``,
       optional; SciCode: the step's function header in a python fence).
+    heal_answer_prefix: token healing of the answer prefix (``Request.heal_tokens``): the
+      prompt's last token is dropped and the first generated token must re-produce its text, so
+      the model is never forced to continue at a token boundary it would not produce (a bare
+      newline where it would write newline + indentation as one token).
     verify_workers: threads verifying a wave's artifacts concurrently.
     raise_verifier_errors: re-raise an exception from extract/verify instead of scoring the
       candidate as a gate failure (the default logs it and counts it in ``verifier_errors``).
@@ -320,7 +336,10 @@ class OrchestratorConfig:
     candidates_per_route: int = 4
     top_k: int = 2
     max_attempts: int = 3
+    eval_max_attempts: int = 3
     merge_mode: str = "union"
+    merge_candidates: str = "candidates"
+    fixed_plan_dependencies: str = "keep"
     single_agent: bool = False
     train_sampling: SamplingSettings = SamplingSettings(1.0, 0.95, 1024)
     eval_sampling: SamplingSettings = SamplingSettings(0.0, 1.0, 1024)
@@ -332,9 +351,15 @@ class OrchestratorConfig:
     max_replans: int = 2
     planner_prefix: str = ""
     answer_prefix: bool = True
+    heal_answer_prefix: bool = False
     verify_workers: int = 4
     raise_verifier_errors: bool = False
     seed: int = 0
+
+    @property
+    def attempts(self) -> int:
+        """Calls per node and role in this mode (``max_attempts`` or ``eval_max_attempts``)."""
+        return self.max_attempts if self.mode == "train" else self.eval_max_attempts
 
     def __post_init__(self):
         p = "orchestrator"
@@ -346,14 +371,19 @@ class OrchestratorConfig:
             raise ValueError(f"{p}.variant 'none' has no adapters to train; use mode='eval'")
         if self.merge_mode not in MERGE_MODES:
             raise ValueError(f"{p}.merge_mode must be one of {MERGE_MODES}, got {self.merge_mode!r}")
-        for name in ("routes_per_node", "candidates_per_route", "top_k", "max_attempts", "min_nodes",
-                     "verify_workers"):
+        if self.merge_candidates not in MERGE_CANDIDATES:
+            raise ValueError(f"{p}.merge_candidates must be one of {MERGE_CANDIDATES}, got {self.merge_candidates!r}")
+        if self.fixed_plan_dependencies not in FIXED_PLAN_DEPENDENCIES:
+            raise ValueError(f"{p}.fixed_plan_dependencies must be one of {FIXED_PLAN_DEPENDENCIES}, "
+                             f"got {self.fixed_plan_dependencies!r}")
+        for name in ("routes_per_node", "candidates_per_route", "top_k", "max_attempts", "eval_max_attempts",
+                     "min_nodes", "verify_workers"):
             _check_int(f"{p}.{name}", getattr(self, name), 1)
         _check_int(f"{p}.max_replans", self.max_replans, 0)
         _check_int(f"{p}.seed", self.seed, 0)
         if isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int) or self.max_nodes < self.min_nodes:
             raise ValueError(f"{p}.max_nodes must be an int >= min_nodes ({self.min_nodes}), got {self.max_nodes!r}")
-        for name in ("single_agent", "raise_verifier_errors"):
+        for name in ("single_agent", "raise_verifier_errors", "answer_prefix", "heal_answer_prefix"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{p}.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("train_sampling", "eval_sampling", "planner_sampling"):

@@ -35,7 +35,7 @@ from morse_jax.sampling.decode import (
     prepare_lora,
     rope_tables_for,
 )
-from morse_jax.sampling.sample import select_tokens
+from morse_jax.sampling.sample import NEG, select_tokens
 
 log = logging.getLogger("morse_jax.sampling")
 FINISH_REASONS = ("eos", "stop", "length")
@@ -50,6 +50,10 @@ class Request:
     expert_ids / expert_weights: the row's active set (bank ids and weights; empty = no adapter).
     temperature 0 = greedy. top_k 0 = no top-k limit. stop_token_ids end the row (the stop token
     is kept in ``token_ids``); stop_strings end it too (the text is cut before the string).
+    heal_tokens: token healing (``morse_jax.sampling.healing``): drop the prompt's last
+    ``heal_tokens`` tokens and constrain the first generated token to re-write their text (and
+    possibly extend it). 0 = off. Skipped (silently) when the dropped text cannot be read or no
+    token re-writes it.
     """
 
     prompt_ids: Sequence[int]
@@ -61,6 +65,7 @@ class Request:
     top_k: int = 0
     stop_token_ids: Sequence[int] = ()
     stop_strings: Sequence[str] = ()
+    heal_tokens: int = 0
 
     def validate(self, index: int = 0) -> None:
         where = f"requests[{index}]"
@@ -76,11 +81,20 @@ class Request:
             raise ValueError(f"{where}.top_k must be >= 0, got {self.top_k}")
         if len(self.expert_ids) != len(self.expert_weights):
             raise ValueError(f"{where}: expert_ids and expert_weights differ in length")
+        if not 0 <= self.heal_tokens < len(self.prompt_ids):
+            raise ValueError(f"{where}.heal_tokens must be in [0, len(prompt_ids)), got {self.heal_tokens}")
 
 
 @dataclasses.dataclass
 class Completion:
-    """token_ids: generated ids; logprobs: float32 log-prob of each under the model at T=1."""
+    """token_ids: generated ids; logprobs: float32 log-prob of each under the model at T=1.
+
+    prompt_len: how many of the request's prompt tokens ``token_ids`` continue (fewer than the
+    prompt after token healing). text: what follows the request's *whole* prompt (a healed
+    first token's re-written part, ``healed_text``, is not repeated in it).
+    A healed first token's log-prob is the model's unconstrained one (what an update re-scores),
+    not that of the constrained distribution it was drawn from.
+    """
 
     token_ids: list[int]
     text: str
@@ -90,6 +104,7 @@ class Completion:
     # with SamplerConfig.return_prefix_states: the residual stream entering the first adapted
     # layer at every prompt and generated position, [prompt_len + len(token_ids), d] (model dtype)
     prefix_states: np.ndarray | None = None
+    healed_text: str = ""  # the dropped prompt text the first token re-wrote ('' = not healed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +190,7 @@ class Sampler:
         else:  # per-layer (unrolled) params: per-layer caches update in place; a scanned stack copies
             self._params = unstack_segments(split_segments(backbone.params, self._n_adapt))
         self._native, self.native_kernels = self._use_native_kernels(mesh)
+        self._healer = None  # TokenHealer, built at the first request that heals
         self.compile_count = 0
         # Wall-clock split of the last generate() call (seconds; summed over micro-batches):
         # prefill_s includes the prefill's compile on a first call, decode_s the decode's.
@@ -338,16 +354,37 @@ class Sampler:
         for i, r in enumerate(requests):
             self._check(r, i)
         self.last_stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "batches": 0}
+        requests, heals = self._heal(requests)
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
         out: list[Completion | None] = [None] * len(requests)
         mb = self.config.max_batch
         for n, start in enumerate(range(0, len(order), mb)):
             idx = order[start:start + mb]
-            for i, c in zip(idx, self._generate_batch(bank, [requests[i] for i in idx], jax.random.fold_in(key, n))):
+            batch = self._generate_batch(bank, [requests[i] for i in idx], jax.random.fold_in(key, n),
+                                         [heals[i] for i in idx])
+            for i, c in zip(idx, batch):
                 out[i] = c
             if progress is not None:
                 progress(len(idx))
         return out  # type: ignore[return-value]
+
+    def _heal(self, requests: Sequence[Request]) -> tuple[list[Request], list[tuple[str, np.ndarray] | None]]:
+        """Requests with healed prompts cut, and per request (dropped text, allowed bool[V]) or None."""
+        out, heals = [], []
+        for r in requests:
+            h = None
+            if r.heal_tokens and self.backbone.tokenizer is not None:
+                if self._healer is None:
+                    from morse_jax.sampling.healing import TokenHealer
+
+                    self._healer = TokenHealer(self.backbone.tokenizer, self.cfg.vocab_size)
+                n, text, allowed = self._healer.heal(r.prompt_ids, r.heal_tokens)
+                if n:
+                    h = (text, allowed)
+                    r = dataclasses.replace(r, prompt_ids=list(r.prompt_ids)[:-n])
+            out.append(dataclasses.replace(r, heal_tokens=0) if r.heal_tokens else r)
+            heals.append(h)
+        return out, heals
 
     def _check(self, r: Request, i: int) -> None:
         """Reject a request before anything runs (a bad row must not cost a compile or a batch)."""
@@ -367,8 +404,10 @@ class Sampler:
         _bucket(len(r.prompt_ids), cfg.prompt_buckets, f"{where} prompt length")
         _bucket(r.max_new_tokens, cfg.new_token_buckets, f"{where}.max_new_tokens")
 
-    def _generate_batch(self, bank, reqs: list[Request], key) -> list[Completion]:
+    def _generate_batch(self, bank, reqs: list[Request], key, heals=None) -> list[Completion]:
+        """One micro-batch; ``heals[i]``: (dropped text, allowed first tokens bool[V]) or None."""
         cfg = self.config
+        heals = list(heals) if heals is not None else [None] * len(reqs)
         n = len(reqs)
         B = _bucket(n, cfg.batch_buckets, "batch")
         P_max = max(len(r.prompt_ids) for r in reqs)
@@ -401,6 +440,20 @@ class Sampler:
         logits, cache, pos, *prompt_states = self._prefill(self._params, bank_arg, tokens, valid, ids, weights,
                                                            np.int32(P_pad // chunk), cache_len=P + N, chunk=chunk)
         logits.block_until_ready()  # only to split the timing; decode cannot start before anyway
+        full_logits = None
+        if any(h is not None for h in heals):  # token healing: constrain the first token, once, here
+            # for the healed tokens' unconstrained log-probs (row-sharded over a mesh: gather them)
+            if self.mesh is None:
+                full_logits = np.asarray(logits)
+            else:
+                from morse_jax.parallel.distributed import process_allgather
+
+                full_logits = np.asarray(process_allgather(logits))
+            allowed = np.ones(full_logits.shape, bool)
+            for i, h in enumerate(heals):
+                if h is not None:
+                    allowed[i] = h[1]
+            logits = _constrain(logits, allowed)
         t1 = time.perf_counter()
         state = dict(key=key, logits=logits, cache=cache, pos=pos, step=jnp.zeros((), jnp.int32),
                      tokens=jnp.zeros((B, N), jnp.int32), logps=jnp.zeros((B, N), jnp.float32),
@@ -458,11 +511,26 @@ class Sampler:
                 text = _cut_text(text, r.stop_strings)
             else:
                 finish = {1: "eos", 3: "length"}.get(int(reason[i]), "length")
+            lp = logps[i, :k].copy()
+            healed = ""
+            if heals[i] is not None:
+                healed = heals[i][0]
+                text = text[len(healed):] if text.startswith(healed) else text
+                if k:  # the model's own log-prob of the healed token, not the constrained one
+                    row = full_logits[i].astype(np.float64)
+                    mx = row.max()
+                    lp[0] = row[ids_i[0]] - (mx + np.log(np.exp(row - mx).sum()))
             states = None
             if self.capture_layer is not None:
                 states = np.concatenate([prompt_states[i, P_pad - len(r.prompt_ids):P_pad], gen_states[i, :k]])
-            out.append(Completion(ids_i, text, logps[i, :k].copy(), finish, len(r.prompt_ids), states))
+            out.append(Completion(ids_i, text, lp, finish, len(r.prompt_ids), states, healed))
         return out
+
+
+@jax.jit
+def _constrain(logits: jax.Array, allowed) -> jax.Array:
+    """float32[B, V] logits with disallowed tokens at NEG (never sampled, never the argmax)."""
+    return jnp.where(allowed, logits, NEG)
 
 
 def _find_stop(tokenizer, ids: list[int], stop_strings: Sequence[str]) -> int | None:

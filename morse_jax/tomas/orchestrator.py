@@ -305,11 +305,12 @@ class Orchestrator:
     def _sampling(self) -> SamplingSettings:
         return self.config.train_sampling if self.config.mode == "train" else self.config.eval_sampling
 
-    def _request(self, prompt_ids, active: ActiveSet, s: SamplingSettings) -> Request:
+    def _request(self, prompt_ids, active: ActiveSet, s: SamplingSettings, heal: bool = False) -> Request:
         return Request(prompt_ids=prompt_ids, expert_ids=tuple(e for e, _ in active),
                        expert_weights=tuple(w for _, w in active), max_new_tokens=s.max_new_tokens,
                        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                       stop_token_ids=self.config.stop_token_ids, stop_strings=self.config.stop_strings)
+                       stop_token_ids=self.config.stop_token_ids, stop_strings=self.config.stop_strings,
+                       heal_tokens=1 if heal and len(prompt_ids) > 1 else 0)
 
     def _generate(self, requests: list[Request], counters: RunCounters) -> list[Completion]:
         counters.generate_calls += 1
@@ -421,8 +422,9 @@ class Orchestrator:
                 messages = [*messages, {"role": "assistant", "content": c.prefix}]
             c.prompt_ids = list(self.encode_fn(messages))
             c.start = len(requests)
+            heal = bool(c.prefix) and cfg.heal_answer_prefix  # the prefix's last token is re-written
             for active in c.active:
-                requests.extend(self._request(c.prompt_ids, active, s) for _ in range(c.cols))
+                requests.extend(self._request(c.prompt_ids, active, s, heal) for _ in range(c.cols))
         counters.waves = wave
         counters.requests_per_wave.append(len(requests))
         comps = self._generate(requests, counters)
@@ -456,7 +458,9 @@ class Orchestrator:
                 for m in range(c.cols):
                     j = c.start + r * c.cols + m
                     comp, (_, art, _) = comps[j], jobs[j]
-                    row.append(Candidate(c.prompt_ids, list(comp.token_ids), np.asarray(comp.logprobs, np.float32),
+                    # a healed completion continues a shorter prompt (Completion.prompt_len)
+                    prompt = c.prompt_ids[:comp.prompt_len] if getattr(comp, "healed_text", "") else c.prompt_ids
+                    row.append(Candidate(prompt, list(comp.token_ids), np.asarray(comp.logprobs, np.float32),
                                          tuple(e for e, _ in active), tuple(w for _, w in active), comp.text, art,
                                          results[j], comp.finish_reason,
                                          getattr(comp, "prefix_states", None) if cfg.mode == "train" else None))

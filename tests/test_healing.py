@@ -78,6 +78,7 @@ HEAL_CFG = SamplerConfig(batch_buckets=(4,), prompt_buckets=(128,), new_token_bu
 
 
 @pytest.mark.gguf
+@pytest.mark.slow  # ~30 s of compiles on a quiet 2-core machine; the fast twin is in test_sampler.py
 def test_prefix_ending_in_a_newline_heals_to_the_unforced_continuation(smollm2_backbone):
     """Prefix "...:\\n" healed gives the tokens, text and log-probs the model writes after "...:" --
     where its first token is newline + indentation, which the bare "\\n" prompt token forbids."""

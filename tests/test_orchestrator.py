@@ -415,6 +415,51 @@ def test_planner_calls_batched_without_experts():
     assert res.counters.generate_calls == 1 + res.counters.waves
 
 
+STEPS = Plan.chain([PlanNode(f"s{i}", f"Step {i}", f"write function f{i}") for i in range(1, 5)])
+S_DEPS = '{"dependencies": [{"step": "s3", "depends_on": ["s1"]}, {"step": "s4", "depends_on": ["s2", "s3"]}]}'
+
+
+def test_planner_infers_dependencies_among_fixed_steps():
+    """fixed_plan_dependencies="planner": the fixed steps stay the nodes, the planner draws the edges
+    (s2 gets none, so it follows its predecessor, as the authors' code does) and the join runs a merge."""
+    seen = []
+
+    def planner(text, info):
+        seen.append(text)
+        return S_DEPS[len('{"dependencies": ['):] if info["messages"][-1]["role"] == "assistant" else S_DEPS
+
+    for prefix in ("", '{"nodes": ['):
+        seen.clear()
+        h = Harness(planner_script=planner)
+        res = h.orchestrator(mode="eval", fixed_plan_dependencies="planner", planner_prefix=prefix).run(
+            [task("T", STEPS), task("U", ONE)])
+        plan = res.traces["T"].plan
+        assert [(n.id, n.title, n.description) for n in plan.nodes] == [
+            (n.id, n.title, n.description) for n in STEPS.nodes]
+        assert [n.depends_on for n in plan.nodes] == [(), ("s1",), ("s1",), ("s2", "s3")]
+        assert any("attached to its predecessor" in r for r in plan.repairs)
+        assert res.traces["U"].plan is ONE  # a one-step fixed plan has no edges to infer
+        assert res.counters.planner_requests == [1] and len(seen) == 1
+        assert all(f"Step ID: s{i}" in seen[0] and f"write function f{i}" in seen[0] for i in range(1, 5))
+        (merge,) = h.requests_of("merge")
+        assert merge["node"] == "s4" and res.traces["T"].all_passed
+        last = h.requests_of("plan")[0]["messages"][-1]
+        assert (last == {"role": "assistant", "content": '{"dependencies": ['}) == bool(prefix)
+    h = Harness(planner_script=planner)
+    assert h.orchestrator(mode="eval").run([task("T", STEPS)]).traces["T"].plan is STEPS  # "keep"
+    assert h.requests_of("plan") == []
+
+
+def test_unusable_dependency_replies_are_re_asked_then_keep_the_fixed_edges():
+    h = Harness(planner_script=lambda text, info: "no json here")
+    res = h.orchestrator(mode="eval", fixed_plan_dependencies="planner", max_replans=1).run([task("T", STEPS)])
+    plan = res.traces["T"].plan
+    assert [n.depends_on for n in plan.nodes] == [n.depends_on for n in STEPS.nodes]
+    assert res.counters.planner_requests == [1, 1] and res.counters.plan_fallbacks == 1
+    assert sum(r.startswith("planner attempt") for r in plan.repairs) == 2 and "kept the fixed plan's dependencies" in plan.repairs[-1]
+    assert "rejected" in h.requests_of("plan")[1]["messages"][-1]["content"]
+
+
 def test_garbage_plan_replanned_then_single_node_fallback():
     def planner(text, info):
         if "task A description" in text:

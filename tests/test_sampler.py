@@ -461,6 +461,34 @@ def test_truncated_logits_keeps_at_least_one_candidate():
     assert int(ids[0, 0]) == 0 and float(cand[0, 0]) == 5.0 and bool((cand[0, 1:] < -1e29).all())
 
 
+# --------------------------------------------------------------------------- token healing
+
+
+def test_healed_request_rewrites_the_dropped_token_under_the_full_model(tiny):
+    """heal_tokens=1: the prompt loses its last token, the first token's text starts with that
+    token's text, and every log-prob (the first one unconstrained) is the full model's on the
+    shorter prompt; greedy picks the best allowed token."""
+    bb, bank, sampler, base_sampler = tiny["llama"]
+    pieces = bb.tokenizer.pieces
+    p = prompts((7,), TINY["vocab_size"], seed=4)[0]
+    dropped = pieces[p[-1]]
+    allowed = [t for t, piece in enumerate(pieces) if piece.startswith(dropped)]
+    assert 1 < len(allowed) < len(pieces) // 2  # a real constraint with a choice
+    reqs = [Request(p, temperature=0.0, max_new_tokens=6, heal_tokens=1),
+            *[Request(p, temperature=1.5, max_new_tokens=6, heal_tokens=1) for _ in range(3)]]
+    got = base_sampler.generate(None, reqs, key=jax.random.PRNGKey(1))
+    short = p[:-1]
+    ref = reference(bb, None, None, [short] * 4, [[]] * 4, continuations=[c.token_ids for c in got])
+    for c, lp in zip(got, ref):
+        assert c.token_ids[0] in allowed and c.prompt_len == len(short) and c.healed_text == dropped
+        np.testing.assert_allclose(c.logprobs, lp[np.arange(len(c.token_ids)), c.token_ids], atol=1e-4)
+        assert c.text == bb.tokenizer.decode(c.token_ids)[len(dropped):]
+    first = ref[0][0]
+    assert got[0].token_ids[0] == allowed[int(np.argmax(first[allowed]))]
+    plain = base_sampler.generate(None, [Request(p, temperature=0.0, max_new_tokens=6)], key=jax.random.PRNGKey(1))[0]
+    assert plain.prompt_len == len(p) and plain.healed_text == ""
+
+
 # --------------------------------------------------------------------------- input checks
 
 

@@ -19,6 +19,12 @@ diagnostic, at most ``max_attempts`` times per call role (``eval_max_attempts`` 
 after which the node FAILS and all its descendants are blocked (never run). Merge calls get the diagnostic appended to their last user
 message, since ``merge_messages`` has no diagnostic argument.
 
+Plans: a family's ``fixed_plan`` (SciCode: its steps as a chain) is used as is, or, with
+``fixed_plan_dependencies="planner"``, its nodes are kept and the planner infers their edges from
+the step descriptions (batched with the other planner requests, re-asked on an unusable reply;
+the fixed edges after ``max_replans`` rejections, the reason in ``Plan.repairs`` and the log).
+Families without a fixed plan get a planner-made DAG (single-node fallback).
+
 Optional family hooks (looked up with ``getattr``): ``planner_hint`` (str or list, passed to the
 planner prompt), ``single_agent_plan(task)`` (the one-node plan in single-agent mode; default
 ``single_node_plan(task.description)``), ``extract_merge_artifact`` / ``verify_merge`` (same
@@ -40,6 +46,8 @@ from morse_jax.sampling.generate import Completion, Request
 from morse_jax.tasks.base import Task, TaskFamily, VerifyResult
 from morse_jax.tomas import planner as _planner
 from morse_jax.tomas.plan import Plan, PlanNode
+from morse_jax.tomas.planner_fixed import (DEPENDENCIES_PREFIX, dependencies_plan, infer_dependencies_messages,
+                                           with_dependencies_of)
 from morse_jax.tomas.rollout import (MERGE_MODES, MODES, VARIANTS, ActiveSet, AttemptRecord, Candidate,
                                      NodeTrace, OrchestratorConfig, RolloutGroup, RouteDraw, RunCounters,
                                      RunResult, SamplingSettings, TaskTrace, WaveStats, render_trace)
@@ -236,21 +244,28 @@ class Orchestrator:
                 fixed = fam.fixed_plan(t)
                 if fixed is not None:
                     check_plan(fixed, f"fixed plan of task {t.task_id!r}")
-                    out[t.task_id] = fixed
+                    if cfg.fixed_plan_dependencies == "planner" and len(fixed.nodes) > 1:
+                        todo.append((t, fixed))  # the planner infers the edges among the fixed steps
+                    else:
+                        out[t.task_id] = fixed
                 else:
-                    todo.append(t)
-        # task_id -> (base messages, current messages, rejection notes)
+                    todo.append((t, None))
+        # task_id -> (base messages, current messages, rejection notes, fixed plan or None)
         pending = {}
-        for t in todo:
-            base = _planner.planner_messages(t.description, min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes,
-                                             roles_hint=getattr(self.families[t.family], "planner_hint", None))
-            pending[t.task_id] = (base, base, [])
+        for t, fixed in todo:
+            if fixed is None:
+                base = _planner.planner_messages(t.description, min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes,
+                                                 roles_hint=getattr(self.families[t.family], "planner_hint", None))
+            else:
+                base = infer_dependencies_messages(t.description, [(n.id, n.description) for n in fixed.nodes])
+            pending[t.task_id] = (base, base, [], fixed)
         for rnd in range(1, cfg.max_replans + 2):
             if not pending:
                 break
             order = list(pending)
-            prefix = [{"role": "assistant", "content": cfg.planner_prefix}] if cfg.planner_prefix else []
-            reqs = [self._request(self.encode_fn([*pending[i][1], *prefix]), (), cfg.planner_sampling)
+            starts = {tid: self._planner_start(pending[tid][3]) for tid in order}
+            reqs = [self._request(self.encode_fn([*pending[i][1], *([{"role": "assistant", "content": starts[i]}]
+                                                                   if starts[i] else [])]), (), cfg.planner_sampling)
                     for i in order]
             counters.planner_rounds += 1
             counters.planner_requests.append(len(reqs))
@@ -258,26 +273,43 @@ class Orchestrator:
                 counters.replans += len(reqs)
             comps = self._generate(reqs, counters)
             for tid, comp in zip(order, comps):
-                base, _, notes = pending[tid]
+                base, _, notes, fixed = pending[tid]
+                text = starts[tid] + comp.text
                 try:
-                    text = cfg.planner_prefix + comp.text
-                    plan = self._parse_plan(text)
+                    plan = self._parse_plan(text) if fixed is None else self._parse_dependencies(text, fixed)
                 except ValueError as e:  # PlanParseError / PlanValidationError
                     note = f"planner attempt {rnd} rejected: {e}"
                     logger.warning("task %s: %s", tid, note)
-                    pending[tid] = (base, _planner._replan_messages(base, text, str(e)), notes + [note])
+                    pending[tid] = (base, _planner._replan_messages(base, text, str(e)), notes + [note], fixed)
                     continue
                 for r in plan.repairs:
                     logger.info("task %s: plan repair: %s", tid, r)
                 out[tid] = dataclasses.replace(plan, repairs=(*notes, *plan.repairs))
                 del pending[tid]
         by_id = {t.task_id: t for t in tasks}
-        for tid, (_, _, notes) in pending.items():
-            note = f"fell back to a single-node plan after {cfg.max_replans + 1} rejected planner attempts"
-            logger.warning("task %s: %s", tid, note)
+        for tid, (_, _, notes, fixed) in pending.items():
             counters.plan_fallbacks += 1
-            out[tid] = _planner.single_node_plan(by_id[tid].description, [*notes, note])
+            if fixed is None:
+                note = f"fell back to a single-node plan after {cfg.max_replans + 1} rejected planner attempts"
+                out[tid] = _planner.single_node_plan(by_id[tid].description, [*notes, note])
+            else:
+                note = (f"kept the fixed plan's dependencies after {cfg.max_replans + 1} rejected "
+                        "dependency-planner attempts")
+                out[tid] = dataclasses.replace(fixed, repairs=(*fixed.repairs, *notes, note))
+            logger.warning("task %s: %s", tid, note)
         return {t.task_id: out[t.task_id] for t in tasks}
+
+    def _planner_start(self, fixed: Plan | None) -> str:
+        """The planner answer's given start: ``planner_prefix``, or its dependency-list counterpart."""
+        if not self.config.planner_prefix:
+            return ""
+        return self.config.planner_prefix if fixed is None else DEPENDENCIES_PREFIX
+
+    def _parse_dependencies(self, text: str, fixed: Plan) -> Plan:
+        inferred = dependencies_plan(text, [(n.id, n.description) for n in fixed.nodes])
+        plan = with_dependencies_of(fixed, inferred)
+        check_plan(plan, "inferred dependencies")
+        return plan
 
     def _parse_plan(self, text: str) -> Plan:
         obj = _planner.extract_json_object(text, prefer_keys=("nodes", *_planner.NODE_LIST_ALIASES))

@@ -74,8 +74,12 @@ def _dependency_rows(obj: Mapping) -> dict[str, Any]:
     return out
 
 
-def parse_inferred_dependencies(text: str, steps: Sequence[tuple[str, str]]) -> Plan:
-    """Plan over the fixed steps with the model's dependencies; the chain on any parse problem.
+DEPENDENCIES_PREFIX = '{"dependencies": ['  # the answer start that matches the prompt's JSON shape
+
+
+def dependencies_plan(text: str, steps: Sequence[tuple[str, str]]) -> Plan:
+    """Plan over the fixed steps with the model's dependencies; raises ValueError (a
+    PlanParseError among them) when the reply has no usable dependency JSON.
 
     Edge-level problems (unknown, self, later or repeated step, bad id type) drop the edge; a
     step after the first that ends with no parent is attached to its predecessor, as in the
@@ -83,12 +87,7 @@ def parse_inferred_dependencies(text: str, steps: Sequence[tuple[str, str]]) -> 
     """
     steps = _check_steps(steps)
     order = [s for s, _ in steps]
-    try:
-        rows = _dependency_rows(extract_json_object(text, prefer_keys=("dependencies",)))
-    except ValueError as e:
-        note = f"dependency inference unusable ({e}); used the step chain"
-        logger.warning(note)
-        return dataclasses.replace(scicode_plan(steps), repairs=(note,))
+    rows = _dependency_rows(extract_json_object(text, prefer_keys=("dependencies",)))
     fix, nodes = _Fixer(True), []
     for extra in sorted(set(rows) - set(order)):
         fix(f"ignored dependencies given for unknown step {extra!r}")
@@ -110,6 +109,25 @@ def parse_inferred_dependencies(text: str, steps: Sequence[tuple[str, str]]) -> 
             fix(f"step {sid!r}: no earlier step given; attached to its predecessor {order[i - 1]!r}")
         nodes.append(PlanNode(sid, _derive_title(desc), desc, tuple(kept)))
     return Plan(tuple(nodes), tuple(fix.notes))
+
+
+def with_dependencies_of(fixed: Plan, inferred: Plan) -> Plan:
+    """``fixed``'s nodes (ids, titles, descriptions unchanged) with ``inferred``'s edges and repairs."""
+    deps = {n.id: n.depends_on for n in inferred.nodes}
+    if set(deps) != {n.id for n in fixed.nodes}:
+        raise ValueError("the inferred plan's steps differ from the fixed plan's")
+    return Plan(tuple(dataclasses.replace(n, depends_on=tuple(deps[n.id])) for n in fixed.nodes),
+                (*fixed.repairs, *inferred.repairs))
+
+
+def parse_inferred_dependencies(text: str, steps: Sequence[tuple[str, str]]) -> Plan:
+    """:func:`dependencies_plan`, or the chain (with the reason in repairs) when the reply is unusable."""
+    try:
+        return dependencies_plan(text, steps)
+    except ValueError as e:
+        note = f"dependency inference unusable ({e}); used the step chain"
+        logger.warning(note)
+        return dataclasses.replace(scicode_plan(steps), repairs=(note,))
 
 
 def plan_with_fixed_nodes(

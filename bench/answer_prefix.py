@@ -71,7 +71,7 @@ def main() -> None:
     bb = load_backbone(embedded_model_path())
     tok = bb.tokenizer
     stops = stop_token_ids(tok, bb.config.eos_token_ids)
-    sampler = Sampler(bb, None, SamplerConfig(max_batch=16))
+    sampler = Sampler(bb, None, SamplerConfig(max_batch=16, chunk=16))
     print(f"sampler native CPU kernels: {sampler.native_kernels}")
 
     requests, meta = [], []  # meta: (condition, problem index, prefix)
@@ -82,8 +82,10 @@ def main() -> None:
             prefix = f"```python\n{header}\n" if c != "colon" else f"```python\n{header}"
             ids = encode_chat(tok, [{"role": "user", "content": user}, {"role": "assistant", "content": prefix}])
             for _ in range(args.samples):
+                # the fence is open in the prompt: the first "```" generated closes it (stop there)
                 requests.append(Request(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                        top_p=args.top_p, stop_token_ids=stops, heal_tokens=int(c == "healed")))
+                                        top_p=args.top_p, stop_token_ids=stops, stop_strings=("```",),
+                                        heal_tokens=int(c == "healed")))
                 meta.append((c, p, prefix))
     t0 = time.time()
     comps = sampler.generate(None, requests, key=jax.random.PRNGKey(args.seed))
@@ -101,7 +103,7 @@ def main() -> None:
     for (c, p, _), comp, res in zip(meta, comps, results):
         passed[c][p] += int(res.returncode == 0 and not res.timed_out)
         first = tok.decode(comp.token_ids[:1]) if comp.token_ids else ""
-        closes[c] += int(first.lstrip().startswith("```") or comp.healed_text + comp.text == "")
+        closes[c] += int(first.lstrip().startswith("```") or not comp.token_ids)
     n = len(PROBLEMS) * args.samples
     print(f"{len(PROBLEMS)} prompts x {args.samples} samples, T={args.temperature}, top-p={args.top_p}, "
           f"{args.max_new_tokens} new tokens; generation {gen_s:.0f} s for {len(requests)} requests")

@@ -449,10 +449,13 @@ class Sampler:
                 from morse_jax.parallel.distributed import process_allgather
 
                 full_logits = np.asarray(process_allgather(logits))
-            allowed = np.ones(full_logits.shape, bool)
+            mask = np.ones(full_logits.shape, bool)
             for i, h in enumerate(heals):
                 if h is not None:
-                    allowed[i] = h[1]
+                    mask[i] = h[1]
+            allowed = mask
+            if self.mesh is not None:  # laid out like the logits (every process holds every row's mask)
+                allowed = jax.make_array_from_callback(mask.shape, logits.sharding, lambda idx: mask[idx])
             logits = _constrain(logits, allowed)
         t1 = time.perf_counter()
         state = dict(key=key, logits=logits, cache=cache, pos=pos, step=jnp.zeros((), jnp.int32),

@@ -80,7 +80,7 @@ def orchestrator_config(cfg, mode: str, *, stop_token_ids=(), stop_strings=(),
     """
     r = cfg.rollout
     return OrchestratorConfig(
-        mode=mode, variant=VARIANTS[cfg.variant].orchestration, routes_per_node=r.routes,
+        mode=mode, variant=variant_of(cfg).orchestration, routes_per_node=r.routes,
         candidates_per_route=r.candidates,
         top_k=cfg.mole.top_k, max_attempts=r.max_attempts, eval_max_attempts=r.eval_max_attempts,
         merge_mode=cfg.mole.merge_mode, merge_candidates=r.merge_candidates,

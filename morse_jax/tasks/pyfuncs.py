@@ -28,7 +28,7 @@ from typing import Sequence
 from morse_jax.tasks.base import Message, Task, VerifyResult
 from morse_jax.tasks.pyfuncs_data import FAMILY, SOLVE, PyFuncsTask, Step
 from morse_jax.tasks.pyfuncs_verify import Limits, score_calls
-from morse_jax.tasks.scicode_code import check_gate, extract_code, join_program, split_program
+from morse_jax.tasks.scicode_code import check_gate, context_code, extract_code, join_program, split_program
 from morse_jax.tomas.plan import Plan, PlanNode
 
 _SYSTEM = "You are a careful Python programmer. You write short, correct functions."
@@ -69,7 +69,7 @@ class PyFuncsFamily:
             self._contexts[(task.task_id, node.id)] = context or ""
             while len(self._contexts) > 4096:  # only in-flight nodes need their context
                 self._contexts.popitem(last=False)
-            parts.append(f"These functions are already defined:\n```python\n{upstream_code(context).strip()}\n```")
+            parts.append(f"These functions are already defined:\n```python\n{context_code(context).strip()}\n```")
         spec = step.spec
         parts.append(f"Write a Python function `{spec.header[4:-1]}`.\n{spec.doc}")
         parts.append("Examples:\n" + "\n".join(f">>> {spec.name}({c.input_repr})\n{c.expected!r}" for c in step.examples))
@@ -108,7 +108,7 @@ class PyFuncsFamily:
             if context is None:
                 raise ValueError(f"node {node.id} of task {task.task_id}: no context; call execute_messages "
                                  "first or pass context=")
-        return join_program(upstream_code(context), SOLVE, code)
+        return join_program(context_code(context), SOLVE, code)
 
     def extract_merge_artifact(self, task: Task, node: PlanNode, completion: str) -> str:
         return extract_code(completion)
@@ -189,14 +189,6 @@ def merged_reference(p: PyFuncsTask) -> str:
     return "\n\n".join(s.spec.reference.strip() for s in p.helpers) + "\n"
 
 
-def upstream_code(context: str) -> str:
-    """Code of a merge artifact (already code) or of a fenced reply."""
-    context = context or ""
-    try:
-        ast.parse(context)
-        return context
-    except (SyntaxError, ValueError):
-        return extract_code(context) if "```" in context else context
 
 
 def pyfuncs_metrics(tasks: Sequence[Task], result) -> dict:

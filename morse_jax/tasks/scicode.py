@@ -44,7 +44,8 @@ from typing import Sequence
 
 from morse_jax.tasks import sandbox, sandbox_record  # noqa: F401 (re-exported)
 from morse_jax.tasks.base import Message, Task, VerifyResult
-from morse_jax.tasks.scicode_code import check_gate, extract_code, gold_upstream, join_program, split_program
+from morse_jax.tasks.scicode_code import (check_gate, context_code, extract_code, gold_upstream, join_program,
+                                          split_program)
 from morse_jax.tasks.scicode_data import (PACKAGE_SOURCES, SLOW_STEPS, SPLITS, Problem, SciCodeDataError, Step,
                                           load_problems, load_split, package_data_dir, problem_to_task,
                                           split_path, summarize)
@@ -240,13 +241,3 @@ class SciCodeFamily:
 def step_pairs(problem: Problem) -> list[tuple[str, str]]:
     """(step_id, description) of the plan nodes, for ``planner.plan_with_fixed_nodes``."""
     return [(s.step_id, s.description) for s in problem.testable_steps]
-
-
-def context_code(context: str) -> str:
-    """Code in an upstream context: an artifact as it is, or the fenced blocks of a merge reply."""
-    context = context or ""
-    try:
-        ast.parse(context)
-        return context
-    except (SyntaxError, ValueError):
-        return extract_code(context) if "```" in context else context

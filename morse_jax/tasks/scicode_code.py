@@ -129,3 +129,13 @@ def gold_upstream(problem: Problem, step_id: str) -> str:
             raise SciCodeDataError(f"problem {problem.problem_id}: step {s.step_id} has no ground-truth code")
         parts.append(join_program("", s.step_id, code))
     return "\n".join(parts)
+
+
+def context_code(context: str) -> str:
+    """Code in an upstream context: an artifact as it is, or the fenced blocks of a merge reply."""
+    context = context or ""
+    try:
+        ast.parse(context)
+        return context
+    except (SyntaxError, ValueError):
+        return extract_code(context) if "```" in context else context

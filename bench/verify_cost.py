@@ -7,7 +7,7 @@ built (and cached per tree) in an untimed warm-up round. Prints per-round wall-c
 sandbox: decoding, comparisons; the sandboxed interpreters' CPU is not counted), and the median
 ratios this/peer. Each round is a fresh process, so one-time imports count in every round.
 
-    python bench/verify_cost.py --peer /work/main --rounds 5 --steps 1.1 10.3 10.6 29.3 78.1
+    python bench/verify_cost.py --peer ../morse_jax_old --rounds 5 --steps 1.1 10.3 10.6 29.3 78.1
 """
 
 from __future__ import annotations

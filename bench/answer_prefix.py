@@ -64,9 +64,9 @@ def main() -> None:
     from morse_jax.models import load_backbone
     from morse_jax.models.chat import encode_chat, stop_token_ids
     from morse_jax.models.loading import embedded_model_path
-    from morse_jax.sampling.generate import Request, Sampler, SamplerConfig
-    from morse_jax.tasks.sandbox import run_many
-    from morse_jax.tasks.scicode_code import extract_code
+    from morse_jax.sampling.sampler import Request, Sampler, SamplerConfig
+    from morse_jax.tasks.sandbox.runner import run_many
+    from morse_jax.tasks.scicode.context import extract_code
 
     bb = load_backbone(embedded_model_path())
     tok = bb.tokenizer

@@ -108,7 +108,7 @@ def build_backbone(cfg, spec):
 
 
 def sampler_config(args):
-    from morse_jax.sampling.generate import SamplerConfig
+    from morse_jax.sampling.sampler import SamplerConfig
 
     batches = tuple(sorted(int(b) for b in args.batches.split(",")))
     return SamplerConfig(batch_buckets=batches, max_batch=batches[-1], prompt_buckets=(args.prompt,),
@@ -130,7 +130,7 @@ def phase_sample(args, cfg, spec, budget: Budget, result: dict, out: Path) -> No
 
     from morse_jax.mole.experts import init_expert_bank
     from morse_jax.parallel.memory import memory_plan
-    from morse_jax.sampling.generate import Request, Sampler
+    from morse_jax.sampling.sampler import Request, Sampler
 
     sconf = sampler_config(args)
     rng = np.random.default_rng(0)
@@ -229,8 +229,8 @@ def phase_update(args, cfg, spec, budget: Budget, result: dict, out: Path) -> No
     import jax
 
     from morse_jax.parallel.memory import memory_plan
-    from morse_jax.rl.train_step import TrainConfig, Trainer, init_trainable
-    from morse_jax.sampling.generate import Sampler
+    from morse_jax.rl.update import TrainConfig, Trainer, init_trainable
+    from morse_jax.sampling.sampler import Sampler
 
     bb = build_backbone(cfg, spec)
     sampler = Sampler(bb, spec, sampler_config(args))  # the job keeps the sampler's fused copy alive  # noqa: F841

@@ -2,7 +2,7 @@
 
     python bench/learning.py --variants A,B,C,D --seeds 0 1 2 --steps 20 --eval-every 5 --workdir runs/learning
 
-Each (variant, seed) trains through the main job (:class:`morse_jax.job.Job`, the config
+Each (variant, seed) trains through the main job (:class:`morse_jax.run.build.Job`, the config
 ``configs/learn_cpu.py:<variant>`` with ``seed``) in chunks of ``--eval-every`` steps (each chunk
 resumes from the previous chunk's checkpoint), and after every chunk (and before the first)
 evaluates the fixed first ``--eval-tasks`` tasks of the iid and of the OOD split with greedy
@@ -70,9 +70,9 @@ def eval_record(job, step: int, iid, ood) -> dict:
 def run_one(args, variant: str, seed: int, iid, ood, step0: dict | None = None) -> dict:
     """Train and evaluate one (variant, seed); ``step0``: the untrained evaluation to reuse as
     step 0 (A's of the same seed: every variant starts from zero B matrices, i.e. the backbone)."""
-    from morse_jax.configuration import validate_config
-    from morse_jax.job import Job
-    from morse_jax.metrics_log import MetricsWriter
+    from morse_jax.config.validate import validate_config
+    from morse_jax.run.build import Job
+    from morse_jax.run.metrics_log import MetricsWriter
 
     run_dir = Path(args.workdir) / f"{variant}_s{seed}"
     done = run_dir / "learning_run.json"
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--variants: unknown {unknown}; choose from A, B, B++, C, D")
     from morse_jax.main import _quiet_logs
-    from morse_jax.tasks.pyfuncs_data import load_split
+    from morse_jax.tasks.pyfuncs.data import load_split
 
     _quiet_logs()
     workdir = Path(args.workdir)

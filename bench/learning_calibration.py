@@ -39,13 +39,13 @@ def main(argv=None) -> int:
     cfg.workdir = "/tmp/learning_calibration"
     temp = cfg.rollout.temperature if args.temperature is None else args.temperature
 
-    from morse_jax.job import Job
-    from morse_jax.sampling.generate import Request
-    from morse_jax.tasks.pyfuncs import merged_reference
-    from morse_jax.tasks.pyfuncs_data import SOLVE, load_split
+    from morse_jax.run.build import Job
+    from morse_jax.sampling.sampler import Request
+    from morse_jax.tasks.pyfuncs.family import merged_reference
+    from morse_jax.tasks.pyfuncs.data import SOLVE, load_split
 
     job = Job(cfg, load_tasks=False)
-    from morse_jax.tasks.pyfuncs import PyFuncsFamily
+    from morse_jax.tasks.pyfuncs.family import PyFuncsFamily
 
     fam = PyFuncsFamily()
     tasks = load_split("train", args.tasks)

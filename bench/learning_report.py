@@ -7,7 +7,7 @@ record (one variant, one seed) is the dict bench/learning.py writes to ``<run>/l
    "router_entropy": float | None, "expert_sets": {"S0+S1": n, ...}}, ...],
    "train": [{"step": 1, "reward_mean": ..., "skipped_within": ..., "groups": ...}, ...]}
 
-``metrics`` are :func:`morse_jax.tasks.pyfuncs.pyfuncs_metrics` (fractions; shown here in points =
+``metrics`` are :func:`morse_jax.tasks.pyfuncs.family.pyfuncs_metrics` (fractions; shown here in points =
 x 100). Variant A does not train: its single evaluation is its value at every step.
 """
 

@@ -185,7 +185,7 @@ def main(argv=None) -> None:
 
     from morse_jax.models import embedded_model_path, load_backbone
     from morse_jax.mole.experts import ExpertBankSpec, execute_set, init_expert_bank
-    from morse_jax.sampling.generate import Request, Sampler, SamplerConfig
+    from morse_jax.sampling.sampler import Request, Sampler, SamplerConfig
 
     batches = [int(b) for b in args.batches.split(",")]
     print(f"# load {os.getloadavg()[0]:.1f}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",

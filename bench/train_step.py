@@ -7,7 +7,7 @@ completion; PPO-clip token loss weighted by HGRPO within-route advantages of ran
 behaviour log-probs = current policy + noise (ratios near 1, ~2 % clipped); AdamW (lr 8e-5,
 weight decay 0.01) after global-norm clipping at 1.0.
 
-Ours: ``morse_jax.rl.train_step.Trainer.update`` with the default bank (2 role + 4 subtask experts,
+Ours: ``morse_jax.rl.update.Trainer.update`` with the default bank (2 role + 4 subtask experts,
 rank 8, alpha 16, q/v/o of the last 8 layers), a different active set per route (role expert +
 2 subtask experts), plus the router loss over the 4 sampled routes (a few ms). As in a training
 run, each sequence carries the sampler's prefix states (the residual stream entering layer 22,
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
     from morse_jax.models import embedded_model_path, load_backbone
     from morse_jax.mole.experts import ExpertBankSpec
     from morse_jax.rl.batch import pad_sequences
-    from morse_jax.rl.train_step import Trainer, TrainConfig, init_trainable
+    from morse_jax.rl.update import Trainer, TrainConfig, init_trainable
 
     overrides = eval(args.train_config)  # noqa: S307 - a developer's command line
     if args.micro_batch:

@@ -77,13 +77,13 @@ def collect(args):
     import jax
     import jax.numpy as jnp
 
-    from morse_jax.job import Job
+    from morse_jax.run.build import Job
     from morse_jax.mole.experts import execute_set
     from morse_jax.rl.batch import SequenceExample, pad_sequences
-    from morse_jax.rl.train_step import sequence_logprobs
-    from morse_jax.sampling.generate import Request
-    from morse_jax.tasks.pyfuncs import PyFuncsFamily
-    from morse_jax.tasks.pyfuncs_data import SOLVE, load_split
+    from morse_jax.rl.update import sequence_logprobs
+    from morse_jax.sampling.sampler import Request
+    from morse_jax.tasks.pyfuncs.family import PyFuncsFamily
+    from morse_jax.tasks.pyfuncs.data import SOLVE, load_split
 
     spec_ = importlib.util.spec_from_file_location("learn_cpu", ROOT / "configs/learn_cpu.py")
     mod = importlib.util.module_from_spec(spec_)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 def _inner(steps: list[str], cache: str) -> None:
-    from morse_jax.tasks import scicode as sc  # the tree's own package (cwd first on sys.path)
+    from morse_jax.tasks.scicode import family as sc  # the tree's own package (cwd first on sys.path)
 
     dev = {p.problem_id: p for p in sc.load_problems("package:dev")}
     fam = sc.SciCodeFamily(sc.RebuiltTargets(cache), limits=sc.ExecLimits(timeout_s=600, test_timeout_s=300))

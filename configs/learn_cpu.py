@@ -1,6 +1,6 @@
 """Does it learn? The PyFuncs task family on 2 CPU cores: variants A / B / C / D (issue 16).
 
-The embedded SmolLM2-135M-Instruct, generated multi-step Python tasks (morse_jax/tasks/pyfuncs*.py;
+The embedded SmolLM2-135M-Instruct, generated multi-step Python tasks (morse_jax/tasks/pyfuncs/family*.py;
 template DAG: 2-3 helper functions, then a merge + ``solve``), training tasks from the ``train``
 split, evaluation on the iid split (``--config.data.eval=ood`` for the OOD split). Sized so that
 ``bench/learning.py --variants A,B,C,D --seeds 0 1 2`` fits in about 2 h of both cores.
@@ -8,7 +8,7 @@ Variants: ``--config configs/learn_cpu.py:B`` (A, B, B++, C, D, single_agent, ba
 runs/learn_cpu_<variant>.
 """
 
-from morse_jax.default_config import apply_variant, get_config as defaults, variant_dir
+from morse_jax.config.defaults import apply_variant, get_config as defaults, variant_dir
 
 
 def get_config(variant="D"):

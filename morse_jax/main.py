@@ -18,21 +18,21 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
-from morse_jax.configuration import ConfigError, validate_config
+from morse_jax.config.validate import ConfigError, validate_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Path to a config file.",
                                           lock_config=True)
 
 
 def run(cfg) -> int:
-    from morse_jax.job import Job
-    from morse_jax.metrics_log import MetricsWriter
-    from morse_jax.report import write_report
+    from morse_jax.run.build import Job
+    from morse_jax.run.metrics_log import MetricsWriter
+    from morse_jax.run.report import write_report
 
     from morse_jax.parallel import barrier, is_coordinator
 
     if cfg.mode == "describe":  # reads no weights and writes nothing
-        from morse_jax.describe import describe
+        from morse_jax.run.describe import describe
 
         print(describe(cfg))
         return 0
@@ -50,7 +50,7 @@ def run(cfg) -> int:
     if cfg.mode in ("plan", "solve"):
         return _solve(cfg, plan_only=cfg.mode == "plan")
     if cfg.mode == "diagnose":
-        from morse_jax.analysis.diagnose import run_diagnose
+        from morse_jax.run.diagnose import run_diagnose
 
         return run_diagnose(cfg)
     job = Job(cfg)
@@ -125,10 +125,10 @@ def _solve(cfg, *, plan_only: bool) -> int:
     ``config.task`` is free text (an SRDD-style software task) or ``scicode:<problem id>`` for a
     problem of ``config.data.eval`` (its steps are the nodes, scored by the problem's tests).
     """
-    from morse_jax.job import Job
+    from morse_jax.run.build import Job
     from morse_jax.tasks.base import Task
-    from morse_jax.tomas.planner import render_plan
-    from morse_jax.tomas.rollout import render_trace
+    from morse_jax.tomas.planner.loop import render_plan
+    from morse_jax.tomas.trace import render_trace
 
     job = Job(cfg, load_tasks=False)
     text = cfg.task.strip()
@@ -193,7 +193,7 @@ def main(argv):
 
 def _unknown_override(argv) -> str | None:
     """The first ``--config.a.b=`` override naming a field the config schema doesn't have."""
-    from morse_jax.default_config import get_config as defaults
+    from morse_jax.config.defaults import get_config as defaults
 
     schema = defaults()
     for arg in argv[1:]:

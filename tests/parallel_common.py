@@ -12,8 +12,8 @@ import numpy as np
 from morse_jax.models import Backbone, ModelConfig, init_params
 from morse_jax.mole.experts import ExpertBankSpec
 from morse_jax.rl.batch import RouteExample, SequenceExample
-from morse_jax.rl.train_step import TrainConfig, init_trainable
-from morse_jax.sampling.generate import Request, SamplerConfig
+from morse_jax.rl.update import TrainConfig, init_trainable
+from morse_jax.sampling.sampler import Request, SamplerConfig
 
 # Every sharded dimension divides 8 (vocab, hidden, MLP, heads), so each mesh really splits.
 CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

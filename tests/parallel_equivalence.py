@@ -26,8 +26,8 @@ import numpy as np  # noqa: E402
 
 from morse_jax.models import logits  # noqa: E402
 from morse_jax.parallel import make_mesh, replicate, sharded_logits  # noqa: E402
-from morse_jax.rl.train_step import Trainer  # noqa: E402
-from morse_jax.sampling.generate import Sampler  # noqa: E402
+from morse_jax.rl.update import Trainer  # noqa: E402
+from morse_jax.sampling.sampler import Sampler  # noqa: E402
 from parallel_common import (CFG, SAMPLER, SPEC, TRAIN, backbone, examples, requests, trainable0,  # noqa: E402
                              with_prefix_states)
 

@@ -110,8 +110,8 @@ def mode_logits(mesh) -> dict:
 
 def mode_step(mesh) -> dict:
     from morse_jax.rl.batch import examples_from_groups
-    from morse_jax.rl.train_step import Trainer
-    from morse_jax.sampling.generate import Request, Sampler
+    from morse_jax.rl.update import Trainer
+    from morse_jax.sampling.sampler import Request, Sampler
     from parallel_common import CFG, SAMPLER, SPEC, TRAIN, backbone, trainable0
 
     # 1. the coordinator plans: 2 nodes, each with 2 routes x 4 candidates (other processes' RNG

@@ -19,7 +19,7 @@ import pytest
 
 from morse_jax.analysis.activations import adapted_layers, lora_input_activations, role_prompt
 from morse_jax.analysis.clustering import cluster_texts, kmeans, tfidf
-from morse_jax.analysis.diagnose import render_markdown, run_diagnostics
+from morse_jax.run.diagnose import render_markdown, run_diagnostics
 from morse_jax.analysis.heterogeneity import grouped_heterogeneity, heterogeneity, sim_from_embeddings
 from morse_jax.analysis.records import check_records, records_from_traces
 from morse_jax.analysis.subspace import (RankDeficientError, activation_diagnostic, divergence_matrix,
@@ -315,8 +315,8 @@ def test_tfidf_and_kmeans_recover_topics_deterministically():
 
 def test_records_from_traces():
     from morse_jax.tasks.base import Task, VerifyResult
-    from morse_jax.tomas.plan import Plan, PlanNode
-    from morse_jax.tomas.rollout import NodeTrace, TaskTrace
+    from morse_jax.tasks.plan import Plan, PlanNode
+    from morse_jax.tomas.trace import NodeTrace, TaskTrace
 
     plan = Plan((PlanNode("a", "A", "do a"), PlanNode("b", "B", "do b"), PlanNode("c", "C", "join", ("a", "b")),
                  PlanNode("d", "D", "after", ("c",))))

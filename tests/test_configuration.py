@@ -10,8 +10,8 @@ from pathlib import Path
 import ml_collections
 import pytest
 
-from morse_jax.configuration import ConfigError, validate_config
-from morse_jax.default_config import VARIANT_OVERLAYS, VARIANTS, get_config as defaults
+from morse_jax.config.validate import ConfigError, validate_config
+from morse_jax.config.defaults import VARIANT_OVERLAYS, VARIANTS, get_config as defaults
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
@@ -94,7 +94,7 @@ def test_paper_configs_follow_app_i(path):
 def test_paper_configs_build_their_sampler(path):
     """sampler.max_batch=64 with buckets ending at 32 stopped every paper config in
     SamplerConfig.__post_init__; the buckets now come from the config and cover its budgets."""
-    from morse_jax.derived import sampler_config
+    from morse_jax.config.derived import sampler_config
 
     cfg = _load(path)
     s = sampler_config(cfg)
@@ -104,7 +104,7 @@ def test_paper_configs_build_their_sampler(path):
 
 
 def test_sampler_buckets_end_at_any_max_batch():
-    from morse_jax.derived import buckets_up_to
+    from morse_jax.config.derived import buckets_up_to
 
     assert buckets_up_to((1, 2, 4, 8, 16, 32), 24) == (1, 2, 4, 8, 16, 24)
     assert buckets_up_to((1, 2, 4, 8, 16, 32), 128) == (1, 2, 4, 8, 16, 32, 64, 128)
@@ -136,8 +136,8 @@ def test_training_a_variant_without_adapters_fails_naming_mode():
 def test_variant_training_and_structure_are_independent_settings():
     """Table 4 row 2 (single-agent LoRA RL): one LoRA, one call per task, trained with GRPO. Whether
     a variant trains is config.mode and whether it plans a DAG is rollout.single_agent."""
-    from morse_jax.derived import bank_spec, trains, variant_of
-    from morse_jax.default_config import apply_variant
+    from morse_jax.config.derived import bank_spec, trains, variant_of
+    from morse_jax.config.defaults import apply_variant
 
     rl = apply_variant(defaults(), "single_agent_rl")
     validate_config(rl, check_paths=False)
@@ -157,8 +157,8 @@ def test_variant_training_and_structure_are_independent_settings():
                                                    ("B", 40, 40), ("single_agent_rl", 16, 16)])
 def test_single_lora_rank_follows_the_config(variant, override, rank):
     """The B++ rank was hard-coded to 48 in the job on top of the config; the config is the one source."""
-    from morse_jax.default_config import apply_variant
-    from morse_jax.derived import bank_spec
+    from morse_jax.config.defaults import apply_variant
+    from morse_jax.config.derived import bank_spec
 
     cfg = apply_variant(defaults(), variant)
     if override is not None:
@@ -171,7 +171,7 @@ def test_family_options_reach_the_family(tmp_path):
     """SciCode binary reward / gold context and SRDD gate / completeness rule / planner hint are
     config fields wired to the family the job builds."""
     from morse_jax.tasks.registry import build_family
-    from morse_jax.tomas.planner_prompts import SOFTWARE_PROJECT_HINT
+    from morse_jax.tomas.planner.prompts import SOFTWARE_PROJECT_HINT
 
     sc = _with(_with(defaults(), "scicode.binary_reward", True), "scicode.gold_context", True)
     fam = build_family(sc, tmp_path)
@@ -192,8 +192,8 @@ def test_srdd_planner_hint_reaches_the_planner_prompt(tmp_path):
     from morse_jax.tasks.base import Task
     from morse_jax.tasks.registry import build_family
     from morse_jax.tomas.orchestrator import Orchestrator
-    from morse_jax.tomas.planner_prompts import SOFTWARE_PROJECT_HINT
-    from morse_jax.tomas.rollout import OrchestratorConfig
+    from morse_jax.tomas.planner.prompts import SOFTWARE_PROJECT_HINT
+    from morse_jax.tomas.trace import OrchestratorConfig
 
     fam = build_family(_with(defaults(), "data.family", "srdd"), tmp_path)
     seen = []
@@ -303,7 +303,7 @@ def test_a_paper_config_job_starts_on_a_tiny_model(tmp_path):
     pytest.importorskip("torch")
     from test_main_job import tiny_model_dir
 
-    from morse_jax.job import Job
+    from morse_jax.run.build import Job
 
     cfg = _load(REPO / "configs" / "qwen3_4b_srdd.py")
     cfg.model.path, cfg.model.dtype, cfg.workdir = str(tiny_model_dir(tmp_path, "qwen3_4b")), "float32", str(tmp_path / "w")

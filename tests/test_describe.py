@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from morse_jax.default_config import VARIANT_OVERLAYS
-from morse_jax.describe import describe
+from morse_jax.config.defaults import VARIANT_OVERLAYS
+from morse_jax.run.describe import describe
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "morse-reference"

@@ -25,8 +25,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from morse_jax.metrics_log import MetricsWriter
-from morse_jax.tasks import sandbox, scicode as sc, srdd_data, srdd_scoring
+from morse_jax.run.metrics_log import MetricsWriter
+from morse_jax.tasks.sandbox import runner as sandbox
+from morse_jax.tasks.scicode import family as sc
+from morse_jax.tasks.srdd import data as srdd_data, scoring as srdd_scoring
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = "def cg(A, b, x, tol):\n"
@@ -257,7 +259,7 @@ def test_fuzzed_planner_outputs_never_crash_the_orchestrator(outputs):
 def test_fuzzed_dependency_inference_keeps_the_fixed_steps(text):
     """SciCode's DAG inference over fixed steps: any reply gives a DAG over exactly those steps."""
     import networkx as nx
-    from morse_jax.tomas.planner_fixed import parse_inferred_dependencies
+    from morse_jax.tomas.planner.fixed import parse_inferred_dependencies
 
     steps = [("1.1", "first"), ("1.2", "second"), ("1.3", "third")]
     plan = parse_inferred_dependencies(text, steps)
@@ -280,7 +282,7 @@ def test_kill9_at_each_phase_resumes_from_the_last_complete_checkpoint(tmp_path)
     verification, after the update, after the metrics record and during the checkpoint write;
     each rerun resumes from the newest complete checkpoint, and the finished run has exactly one
     metrics record per step."""
-    from morse_jax.job import KILL_AT_ENV
+    from morse_jax.run.build import KILL_AT_ENV
 
     wd = tmp_path / "run"
 

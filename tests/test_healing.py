@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from morse_jax.sampling.generate import Request, Sampler, SamplerConfig
+from morse_jax.sampling.sampler import Request, Sampler, SamplerConfig
 from morse_jax.sampling.healing import TokenHealer
 
 

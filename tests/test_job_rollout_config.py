@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from morse_jax.configuration import ConfigError, validate_config
-from morse_jax.default_config import get_config
-from morse_jax.job import orchestrator_config
-from morse_jax.tomas.rollout import SamplingSettings
+from morse_jax.config.validate import ConfigError, validate_config
+from morse_jax.config.defaults import get_config
+from morse_jax.run.build import orchestrator_config
+from morse_jax.tomas.trace import SamplingSettings
 
 
 def _cfg(**rollout):

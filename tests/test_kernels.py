@@ -96,7 +96,7 @@ def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
 
 
 def attention_reference(q, keys, values, mask, scale):
-    """float64 numpy: softmax over the allowed slots, as morse_jax.sampling.decode._attend."""
+    """float64 numpy: softmax over the allowed slots, as morse_jax.models.decode._attend."""
     N, G, D = q.shape
     B = mask.shape[0]
     m = np.repeat(mask, N // B, axis=0)[:, None, :]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from morse_jax.tasks import pyfuncs_data as pd
-from morse_jax.tasks.pyfuncs import PyFuncsFamily, merged_reference, pyfuncs_metrics
-from morse_jax.tasks.pyfuncs_templates import OOD_TEMPLATES, TEMPLATES, reference_function
-from morse_jax.tasks.pyfuncs_verify import encode_value, score_calls
+from morse_jax.tasks.pyfuncs import data as pd
+from morse_jax.tasks.pyfuncs.family import PyFuncsFamily, merged_reference, pyfuncs_metrics
+from morse_jax.tasks.pyfuncs.templates import OOD_TEMPLATES, TEMPLATES, reference_function
+from morse_jax.tasks.pyfuncs.verify import encode_value, score_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 FAM = PyFuncsFamily()
@@ -29,7 +29,7 @@ def _perturbed(spec) -> str:
 
 
 def test_generator_is_deterministic_per_seed_across_processes():
-    code = ("from morse_jax.tasks.pyfuncs_data import make_task; import hashlib\n"
+    code = ("from morse_jax.tasks.pyfuncs.data import make_task; import hashlib\n"
             "print(hashlib.sha256(repr([(t.description, t.payload) for t in "
             "(make_task(s, i) for s in ('train', 'iid', 'ood') for i in range(15))]).encode()).hexdigest())")
     outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
@@ -171,7 +171,7 @@ def test_metrics_count_failed_and_blocked_nodes_as_zero():
 def test_learn_cpu_config_validates_and_loads_pyfuncs_splits(variant):
     import importlib.util
 
-    from morse_jax.configuration import validate_config
+    from morse_jax.config.validate import validate_config
     from morse_jax.tasks.registry import build_family, load_task_splits
 
     spec = importlib.util.spec_from_file_location("learn_cpu", ROOT / "configs/learn_cpu.py")
@@ -188,8 +188,8 @@ def test_learn_cpu_config_validates_and_loads_pyfuncs_splits(variant):
 
 
 def test_config_rejects_unknown_pyfuncs_split():
-    from morse_jax.configuration import ConfigError, validate_config
-    from morse_jax.default_config import get_config
+    from morse_jax.config.validate import ConfigError, validate_config
+    from morse_jax.config.defaults import get_config
 
     cfg = get_config()
     cfg.data.family, cfg.data.train = "pyfuncs", "validation"

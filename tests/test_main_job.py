@@ -147,9 +147,9 @@ def test_single_agent_lora_rl_trains(tmp_path):
     import jax
     import numpy as np
 
-    from morse_jax.configuration import validate_config
-    from morse_jax.job import Job
-    from morse_jax.metrics_log import MetricsWriter
+    from morse_jax.config.validate import validate_config
+    from morse_jax.run.build import Job
+    from morse_jax.run.metrics_log import MetricsWriter
     from morse_jax.tasks.base import VerifyResult
 
     spec = importlib.util.spec_from_file_location("quickstart", REPO / "configs" / "quickstart.py")

@@ -33,7 +33,7 @@ from safetensors.numpy import save_file
 from morse_jax.models import (Backbone, ModelConfig, RopeSpec, forward, from_hf_config, init_cache, init_params,
                               load_backbone, param_shapes, split_segments, unstack_segments)
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, pad_active
-from morse_jax.sampling.generate import Request, Sampler, SamplerConfig
+from morse_jax.sampling.sampler import Request, Sampler, SamplerConfig
 
 _forward = jax.jit(forward, static_argnames=("cfg", "logits_mode"))
 S, F = "sliding_attention", "full_attention"

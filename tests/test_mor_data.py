@@ -9,7 +9,7 @@ import string
 import numpy as np
 import pytest
 
-from morse_jax.mor import data
+from morse_jax.sft import data
 from morse_jax.tasks import bfcl
 from morse_jax.tasks.bfcl import synthetic
 

@@ -17,7 +17,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from morse_jax.report import SCICODE_COLS, VARIANT_NAMES
+from morse_jax.run.report import SCICODE_COLS, VARIANT_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -34,7 +34,7 @@ def tiny_args(cache_dir: Path) -> list[str]:
 
 
 def results_header() -> str:
-    """The start of the paper Table 1/2 header for SciCode, as morse_jax.report writes it."""
+    """The start of the paper Table 1/2 header for SciCode, as morse_jax.run.report writes it."""
     return "| Variant | " + " | ".join(col[1] for col in SCICODE_COLS) + " |"
 
 

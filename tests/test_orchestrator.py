@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from morse_jax.mole.experts import ExpertBankSpec, execute_set
-from morse_jax.sampling.generate import Completion
+from morse_jax.sampling.sampler import Completion
 from morse_jax.tasks.base import Task, VerifyResult
 from morse_jax.tomas.orchestrator import (Orchestrator, OrchestratorConfig, RouteDraw, SamplingSettings,
                                           render_trace)
-from morse_jax.tomas.plan import Plan, PlanNode
+from morse_jax.tasks.plan import Plan, PlanNode
 
 SPEC = ExpertBankSpec()  # roles execute (0), merge (1); subtask experts 0..3 -> bank ids 2..5
 SINGLE = ExpertBankSpec(role_names=("single",), num_subtask=0, rank=24)

@@ -157,7 +157,7 @@ def test_unrolled_fused_and_cache_rules():
     assert specs["layers"][0]["qkv"]["w"] == P("tensor", "fsdp") and specs["layers"][0]["o"]["w"] == P("fsdp", "tensor")
     assert specs["head"] == P("tensor", "fsdp")
     from morse_jax.models import init_cache
-    from morse_jax.sampling.decode import init_decode_cache
+    from morse_jax.models.decode import init_decode_cache
 
     dc = jax.eval_shape(lambda: init_decode_cache(CFG, 4, 16))  # k: [B*K=8, D, S]
     sh = jax.tree.map(lambda s: s.spec, cache_shardings(_named(mesh), dc, CFG))

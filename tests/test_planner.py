@@ -9,8 +9,8 @@ import random
 import networkx as nx
 import pytest
 
-from morse_jax.tomas import planner as P
-from morse_jax.tomas.plan import Plan
+from morse_jax.tomas.planner import loop as P
+from morse_jax.tasks.plan import Plan
 
 
 def node(nid, deps=(), desc=None, title=None):

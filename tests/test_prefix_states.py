@@ -20,8 +20,8 @@ from morse_jax.models import Backbone, ModelConfig, init_params
 from morse_jax.models.transformer import forward, split_segments
 from morse_jax.mole.experts import ExpertBankSpec, execute_set
 from morse_jax.rl.batch import SequenceExample, examples_from_groups, pad_shared
-from morse_jax.rl.train_step import Trainer, TrainConfig, init_trainable
-from morse_jax.sampling.generate import Request, Sampler, SamplerConfig
+from morse_jax.rl.update import Trainer, TrainConfig, init_trainable
+from morse_jax.sampling.sampler import Request, Sampler, SamplerConfig
 
 LLAMA = ModelConfig(family="llama", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=4,
                     num_heads=4, num_kv_heads=2, head_dim=8)

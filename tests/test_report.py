@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from morse_jax.analysis.utilisation import utilisation
-from morse_jax.metrics_log import MetricsWriter
-from morse_jax.report import write_report
+from morse_jax.run.metrics_log import MetricsWriter
+from morse_jax.run.report import write_report
 
 RECORDS = [{"route": [1, 3], "probs": [.2, .3, .1, .4]}, {"route": [0, 3], "probs": [.3, .2, .1, .4]},
            {"route": [1, 3], "probs": [.2, .3, .1, .4]}, {"route": [], "probs": []}]
@@ -52,7 +52,7 @@ def test_metrics_drop_after_keeps_other_kinds(tmp_path):
 
 
 def test_report_gathers_other_variants_run_on_the_same_eval_set(tmp_path):
-    from morse_jax.default_config import get_config
+    from morse_jax.config.defaults import get_config
     from morse_jax.main import _comparable, _sibling_evals
 
     cfg = get_config()

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from morse_jax.tasks import sandbox_record, scicode as sc, wire_format
+from morse_jax.tasks.sandbox import record as sandbox_record, wire_format
+from morse_jax.tasks.scicode import family as sc
 
 LIMITS = sc.ExecLimits(timeout_s=30.0, test_timeout_s=3.0, memory_mb=2048, max_output_bytes=1 << 20)
 WRONG = "    return np.zeros_like(b)\n"  # what each attacker would compute without the attack
@@ -177,7 +178,7 @@ def test_every_attack_scores_zero_and_the_right_answer_one(step11):
 
 def test_targets_never_enter_the_sandbox(step11, monkeypatch):
     """Whatever the verifier sends into the sandbox, no expected value is in it."""
-    from morse_jax.tasks import sandbox
+    from morse_jax.tasks.sandbox import runner as sandbox
 
     p, fam, task, nd = step11
     targets = fam.targets.step_targets(p, p.step("1.1"))

@@ -19,8 +19,8 @@ from scipy import stats
 
 from morse_jax.models import Backbone, ModelConfig, RopeSpec, forward, init_params, split_segments
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, init_expert_bank
-from morse_jax.sampling.decode import init_decode_cache
-from morse_jax.sampling.generate import Completion, Request, Sampler, SamplerConfig, _cached_sampler, generate
+from morse_jax.models.decode import init_decode_cache
+from morse_jax.sampling.sampler import Completion, Request, Sampler, SamplerConfig, _cached_sampler, generate
 from morse_jax.sampling.sample import sample_tokens, select_tokens, truncated_logits
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from morse_jax.tasks import sandbox, sandbox_isolation
-from morse_jax.tasks.sandbox import Job, run_many, run_python
+from morse_jax.tasks.sandbox import isolation as sandbox_isolation, runner as sandbox
+from morse_jax.tasks.sandbox.runner import Job, run_many, run_python
 
 # Expected here: the venv's interpreter (pyenv under a 0700 /root) cannot run under a dropped uid,
 # so forced rlimits mode runs as root and says so.

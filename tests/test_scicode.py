@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from morse_jax.tasks import scicode as sc
+from morse_jax.tasks.scicode import family as sc
 from morse_jax.tasks.base import Task
 from morse_jax.tasks.metrics import StepResult, mean_step_pass, problem_pass, scicode_metrics, step_pass
 

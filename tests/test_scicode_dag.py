@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 
-from morse_jax.sampling.generate import Completion
-from morse_jax.tasks import scicode as sc
+from morse_jax.sampling.sampler import Completion
+from morse_jax.tasks.scicode import family as sc
 from morse_jax.tasks.base import Task
 from morse_jax.tomas.orchestrator import Orchestrator, OrchestratorConfig
 

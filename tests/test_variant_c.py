@@ -26,7 +26,7 @@ def test_variant_c_trains_and_evaluates_on_a_tiny_model(tmp_path, tiny_hf_model,
     from morse_jax.main import run
     from morse_jax.models import embedded_model_path
     from morse_jax.models.loading import load_tokenizer
-    from morse_jax.tasks.scicode import SciCodeFamily
+    from morse_jax.tasks.scicode.family import SciCodeFamily
 
     tok = load_tokenizer(embedded_model_path())
     model_dir, _ = tiny_hf_model("llama", vocab_size=len(tok), num_hidden_layers=3)

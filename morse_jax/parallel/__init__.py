@@ -24,7 +24,7 @@ from morse_jax.parallel.distributed import (
 )
 from morse_jax.parallel.memory import PRESETS, MemoryPlan, max_micro_batch, memory_plan, memory_table
 from morse_jax.parallel.mesh import AXES, BATCH_AXES, describe, make_mesh, resolve_mesh_shape
-from morse_jax.parallel.sharded import (
+from morse_jax.parallel.jit import (
     ShapeKeyedJit,
     replicate,
     replicated_jit,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Protocol, Sequence
 
-from morse_jax.tomas.plan import Plan, PlanNode
+from morse_jax.tasks.plan import Plan, PlanNode
 
 Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 

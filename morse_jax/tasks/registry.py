@@ -17,7 +17,7 @@ def build_family(cfg, workdir: Path):
     """The config's task family with its options (``config.scicode.*`` / ``config.srdd.*``)."""
     fam = cfg.data.family
     if fam == "scicode":
-        from morse_jax.tasks import scicode as sc
+        from morse_jax.tasks.scicode import family as sc
 
         if cfg.data.scicode_h5:
             targets = sc.H5Targets(cfg.data.scicode_h5)
@@ -28,7 +28,7 @@ def build_family(cfg, workdir: Path):
     if fam == "srdd":
         return srdd_family(cfg)
     if fam == "pyfuncs":
-        from morse_jax.tasks.pyfuncs import PyFuncsFamily
+        from morse_jax.tasks.pyfuncs.family import PyFuncsFamily
 
         return PyFuncsFamily()
     raise ValueError(f"config.data.family must be one of {FAMILIES}, got {fam!r}")
@@ -37,9 +37,9 @@ def build_family(cfg, workdir: Path):
 def srdd_family(cfg):
     """SRDDFamily with the config's reward gate, completeness rule and planner hint (also used for
     free-text tasks in mode=solve / plan)."""
-    from morse_jax.tasks.srdd import SRDDFamily
-    from morse_jax.tasks.srdd_scoring import SRDDRewardConfig
-    from morse_jax.tomas.planner_prompts import SOFTWARE_PROJECT_HINT
+    from morse_jax.tasks.srdd.family import SRDDFamily
+    from morse_jax.tasks.srdd.scoring import SRDDRewardConfig
+    from morse_jax.tomas.planner.prompts import SOFTWARE_PROJECT_HINT
 
     reward = SRDDRewardConfig(use_gate=cfg.srdd.use_gate, completeness_mode=cfg.srdd.completeness_mode)
     return SRDDFamily(reward=reward, planner_hint=SOFTWARE_PROJECT_HINT if cfg.srdd.planner_hint else None)
@@ -78,7 +78,7 @@ def _select(tasks: list[Task], ids: Sequence[str], limit: int, field: str) -> li
 
 def scicode_problems(cfg, source: str) -> list:
     """The SciCode problems of a split name, ``package:*`` or a JSONL path (no targets needed)."""
-    from morse_jax.tasks import scicode as sc
+    from morse_jax.tasks.scicode import family as sc
 
     if source.startswith("package:") or Path(source).expanduser().exists():
         return sc.load_problems(source)
@@ -95,7 +95,7 @@ def scicode_left_out_reason(cfg, problem, targets) -> str | None:
 
 
 def _scicode_split(cfg, field: str, family) -> tuple[list[Task], SplitSummary]:
-    from morse_jax.tasks import scicode as sc
+    from morse_jax.tasks.scicode import family as sc
 
     source = cfg.data[field]
     tasks, left = [], []
@@ -111,7 +111,7 @@ def _scicode_split(cfg, field: str, family) -> tuple[list[Task], SplitSummary]:
 
 
 def _srdd_split(cfg, field: str) -> tuple[list[Task], SplitSummary]:
-    from morse_jax.tasks.srdd import load_srdd
+    from morse_jax.tasks.srdd.family import load_srdd
 
     source = cfg.data[field]
     tasks = load_srdd(source, Path(cfg.data.dir).expanduser() / "srdd" / "data")
@@ -121,7 +121,7 @@ def _srdd_split(cfg, field: str) -> tuple[list[Task], SplitSummary]:
 
 def _pyfuncs_split(cfg, field: str) -> tuple[list[Task], SplitSummary]:
     """Generated tasks: the split name's task list, cut by the config's ids / limit."""
-    from morse_jax.tasks.pyfuncs_data import load_split
+    from morse_jax.tasks.pyfuncs.data import load_split
 
     source = cfg.data[field]
     tasks = load_split(source, 0 if cfg.data[f"{field}_ids"] else cfg.data[f"max_{field}_tasks"])
@@ -169,11 +169,11 @@ def family_metrics(cfg, family, tasks: Sequence[Task], result) -> dict:
                 steps.append(StepResult(t.task_id, s.step_id, n_passed, n_tests))
         return dict(scicode_metrics(steps))
     if cfg.data.family == "pyfuncs":
-        from morse_jax.tasks.pyfuncs import pyfuncs_metrics
+        from morse_jax.tasks.pyfuncs.family import pyfuncs_metrics
 
         return pyfuncs_metrics(tasks, result)
     from morse_jax.tasks.embedding import SentenceEmbedder
-    from morse_jax.tasks.srdd import eci_summary, evaluate_codebases, materialise_codebase
+    from morse_jax.tasks.srdd.family import eci_summary, evaluate_codebases, materialise_codebase
 
     codebases, descs = [], []
     for t in tasks:

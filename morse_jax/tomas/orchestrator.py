@@ -42,13 +42,13 @@ import networkx as nx
 import numpy as np
 
 from morse_jax.mole.experts import ExpertBankSpec, execute_set, merge_set, single_set
-from morse_jax.sampling.generate import Completion, Request
+from morse_jax.sampling.sampler import Completion, Request
 from morse_jax.tasks.base import Task, TaskFamily, VerifyResult
-from morse_jax.tomas import planner as _planner
-from morse_jax.tomas.plan import Plan, PlanNode
-from morse_jax.tomas.planner_fixed import (DEPENDENCIES_PREFIX, dependencies_plan, infer_dependencies_messages,
+from morse_jax.tomas.planner import loop as _planner
+from morse_jax.tasks.plan import Plan, PlanNode
+from morse_jax.tomas.planner.fixed import (DEPENDENCIES_PREFIX, dependencies_plan, infer_dependencies_messages,
                                            with_dependencies_of)
-from morse_jax.tomas.rollout import (MERGE_MODES, MODES, VARIANTS, ActiveSet, AttemptRecord, Candidate,
+from morse_jax.tomas.trace import (MERGE_MODES, MODES, VARIANTS, ActiveSet, AttemptRecord, Candidate,
                                      NodeTrace, OrchestratorConfig, RolloutGroup, RouteDraw, RunCounters,
                                      RunResult, SamplingSettings, TaskTrace, WaveStats, render_trace)
 

@@ -1,0 +1,1 @@
+"""Configuration: defaults, validation, variants, paper settings, derived quantities."""

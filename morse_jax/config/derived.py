@@ -1,0 +1,90 @@
+"""What a config determines without loading anything: the variant's record, the expert-bank
+layout, the sampler's buckets, the number of training steps and the memory plan.
+
+The job builds its objects through these functions and config validation builds them too, so a
+constraint between fields (a batch size above the largest bucket, a token budget above the
+largest new-token bucket) is a one-line config error before any weights load.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from morse_jax.config.defaults import VARIANTS, Variant
+from morse_jax.mole.experts import ExpertBankSpec
+from morse_jax.sampling.sampler import SamplerConfig
+
+_DEFAULT_SAMPLER = SamplerConfig()
+
+
+def variant_of(cfg) -> Variant:
+    return VARIANTS[cfg.variant]
+
+
+def trains(cfg) -> bool:
+    """Whether this run updates adapters: mode=train and a variant with adapters."""
+    return cfg.mode == "train" and variant_of(cfg).orchestration != "none"
+
+
+def bank_spec(cfg) -> ExpertBankSpec | None:
+    """Expert-bank layout for the config's variant (the config is the one source of every rank)."""
+    orch = variant_of(cfg).orchestration
+    common = dict(n_adapt=cfg.mole.n_adapt, targets=tuple(cfg.mole.targets), compose=cfg.mole.compose)
+    if orch == "none":
+        return None
+    if orch == "single_lora":
+        rank = cfg.mole.single_rank
+        return ExpertBankSpec(role_names=("single",), num_subtask=0, rank=rank, alpha=2.0 * rank, **common)
+    return ExpertBankSpec(num_subtask=cfg.mole.num_subtask, rank=cfg.mole.rank, alpha=cfg.mole.alpha, **common)
+
+
+def buckets_up_to(base: Sequence[int], limit: int) -> tuple[int, ...]:
+    """``base`` extended by doublings until it covers ``limit``; ``limit`` itself ends the batch
+    buckets when it is not a power of two (no row budget is rounded past what the user asked)."""
+    out = [b for b in base if b < limit]
+    nxt = out[-1] * 2 if out else 1
+    while nxt < limit:
+        out.append(nxt)
+        nxt *= 2
+    out.append(limit)
+    return tuple(out)
+
+
+def token_budgets(cfg) -> int:
+    """The largest number of new tokens any call of this config may ask for."""
+    r = cfg.rollout
+    return max(r.max_new_tokens, r.eval_max_new_tokens, r.planner_max_new_tokens)
+
+
+def sampler_config(cfg, *, max_active: int = 4, return_prefix_states: bool = False) -> SamplerConfig:
+    """The sampler's settings: batch buckets end at ``sampler.max_batch``, new-token buckets cover
+    every token budget of the config, prompt buckets cover twice the largest budget (a prompt
+    carries upstream artifacts). Unused buckets cost nothing: programs compile on first use."""
+    d = _DEFAULT_SAMPLER
+    n = token_budgets(cfg)
+    new_tokens = buckets_up_to(d.new_token_buckets, n) if n > max(d.new_token_buckets) else d.new_token_buckets
+    prompt_limit = max(max(d.prompt_buckets), 2 * n)
+    prompts = buckets_up_to(d.prompt_buckets, prompt_limit) if prompt_limit > max(d.prompt_buckets) else d.prompt_buckets
+    return SamplerConfig(batch_buckets=buckets_up_to(d.batch_buckets, cfg.sampler.max_batch),
+                         prompt_buckets=prompts, new_token_buckets=new_tokens,
+                         max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk, max_active=max(max_active, 1),
+                         return_prefix_states=return_prefix_states, cpu_kernels=cfg.sampler.cpu_kernels)
+
+
+def train_steps(cfg, n_train_tasks: int) -> int:
+    """HGRPO steps of a training run: ``train.steps``, or ``train.epochs`` passes over the tasks."""
+    if cfg.train.epochs > 0:
+        return cfg.train.epochs * -(-n_train_tasks // cfg.data.tasks_per_step)
+    return cfg.train.steps
+
+
+def memory_plan(cfg, model_config, spec: ExpertBankSpec | None, mesh_shape: Sequence[int]):
+    """The per-device memory plan of this run (``parallel.memory.memory_plan`` with the config's
+    token budgets, update micro-batch and sampler batch)."""
+    from morse_jax import parallel as par
+
+    r = cfg.rollout
+    n = max(r.max_new_tokens, r.eval_max_new_tokens)
+    return par.memory_plan(model_config, spec, "adamw", batch=cfg.train.micro_batch,
+                           cache_len=[p + n for p in (512, 1024, 2048)], seq_len=1024 + n,
+                           mesh_shape=tuple(mesh_shape), dtype=cfg.model.dtype, sample_batch=cfg.sampler.max_batch)

@@ -1,0 +1,167 @@
+"""Validate a resolved config before anything heavy starts; every error is one line naming the field."""
+
+from __future__ import annotations
+
+import numbers
+from pathlib import Path
+
+import ml_collections
+
+from morse_jax.config.defaults import MODES, VARIANTS, get_config as defaults
+
+
+class ConfigError(ValueError):
+    """A config field is unknown, of the wrong type, out of range, or names a missing path."""
+
+
+def _walk(cfg, ref, prefix="config"):
+    for key in cfg.keys():
+        name = f"{prefix}.{key}"
+        if key not in ref:
+            raise ConfigError(f"{name}: unknown field (known: {', '.join(sorted(ref.keys()))})")
+        value, want = cfg[key], ref[key]
+        if isinstance(want, ml_collections.ConfigDict):
+            if not isinstance(value, ml_collections.ConfigDict):
+                raise ConfigError(f"{name}: must be a group of fields, got {type(value).__name__}")
+            _walk(value, want, name)
+        elif isinstance(want, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name}: must be a bool, got {value!r}")
+        elif isinstance(want, numbers.Integral):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(f"{name}: must be an int, got {value!r}")
+        elif isinstance(want, numbers.Real):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ConfigError(f"{name}: must be a number, got {value!r}")
+        elif isinstance(want, str):
+            if not isinstance(value, str):
+                raise ConfigError(f"{name}: must be a string, got {value!r}")
+        elif isinstance(want, (tuple, list)):
+            if not isinstance(value, (tuple, list)):
+                raise ConfigError(f"{name}: must be a list, got {value!r}")
+
+
+def _positive(cfg, *names):
+    for n in names:
+        group, field = n.split(".")
+        v = cfg[group][field]
+        if v < 1:
+            raise ConfigError(f"config.{n}: must be >= 1, got {v}")
+
+
+def _choice(cfg, dotted, choices):
+    group, field = dotted.split(".")
+    if cfg[group][field] not in choices:
+        raise ConfigError(f"config.{dotted}: must be one of {choices}, got {cfg[group][field]!r}")
+
+
+def _derived_objects(cfg) -> None:
+    """Build what the job derives from several fields (sampler buckets, expert bank) so their
+    constraints fail here, in one line naming the field, instead of after the weights load."""
+    from morse_jax.config.derived import bank_spec, sampler_config
+
+    for build, group in ((sampler_config, "sampler"), (bank_spec, "mole")):
+        try:
+            build(cfg)
+        except ValueError as e:
+            msg = str(e).splitlines()[0]
+            raise ConfigError(msg if msg.startswith("config.") else
+                              f"config.{msg}" if msg.startswith(f"{group}.") else f"config.{group}: {msg}") from e
+
+
+def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
+    """Raise ConfigError (one line, naming the field) unless the config is usable."""
+    _walk(cfg, defaults())
+    if cfg.mode not in MODES:
+        raise ConfigError(f"config.mode: must be one of {MODES}, got {cfg.mode!r}")
+    if cfg.variant not in VARIANTS:
+        raise ConfigError(f"config.variant: must be one of {sorted(VARIANTS)}, got {cfg.variant!r}")
+    _positive(cfg, "rollout.routes", "rollout.candidates", "rollout.max_attempts", "rollout.max_new_tokens",
+              "rollout.eval_max_new_tokens", "mole.rank", "mole.n_adapt", "mole.top_k", "train.micro_batch",
+              "train.checkpoint_every", "data.tasks_per_step", "sampler.max_batch")
+    if cfg.train.steps < 0:
+        raise ConfigError(f"config.train.steps: must be >= 0, got {cfg.train.steps}")
+    _positive(cfg, "rollout.eval_max_attempts", "rollout.planner_max_new_tokens", "rollout.min_nodes",
+              "sampler.chunk", "mole.single_rank")
+    _choice(cfg, "rollout.merge_candidates", ("routes_x_candidates", "candidates"))
+    _choice(cfg, "rollout.scicode_dag", ("chain", "planner"))
+    _choice(cfg, "srdd.completeness_mode", ("ast", "line_rule"))
+    _choice(cfg, "mole.merge_mode", ("union", "random_subset"))
+    if cfg.mole.top_k > cfg.mole.num_subtask and VARIANTS[cfg.variant].orchestration in ("mole", "flat_mole"):
+        raise ConfigError(f"config.mole.top_k: {cfg.mole.top_k} exceeds config.mole.num_subtask={cfg.mole.num_subtask}")
+    if cfg.sampler.cpu_kernels not in ("auto", "on", "off"):
+        raise ConfigError(f"config.sampler.cpu_kernels: must be auto, on or off, got {cfg.sampler.cpu_kernels!r}")
+    for name in ("top_p", "eval_top_p"):
+        if not 0 < cfg.rollout[name] <= 1:
+            raise ConfigError(f"config.rollout.{name}: must be in (0, 1], got {cfg.rollout[name]}")
+    for name in ("temperature", "eval_temperature"):
+        if cfg.rollout[name] < 0:
+            raise ConfigError(f"config.rollout.{name}: must be >= 0, got {cfg.rollout[name]}")
+    if cfg.rollout.min_nodes > cfg.rollout.max_nodes:
+        raise ConfigError(f"config.rollout.min_nodes: {cfg.rollout.min_nodes} exceeds "
+                          f"config.rollout.max_nodes={cfg.rollout.max_nodes}")
+    if cfg.mode == "train" and VARIANTS[cfg.variant].orchestration == "none":
+        raise ConfigError(f"config.mode: variant {cfg.variant!r} has no adapters to train; use mode=eval")
+    _derived_objects(cfg)
+    if cfg.rollout.eval_max_attempts < 1:
+        raise ConfigError(f"config.rollout.eval_max_attempts: must be >= 1, got {cfg.rollout.eval_max_attempts}")
+    for name, allowed in (("merge_candidates", ("routes_x_candidates", "candidates")),
+                          ("scicode_dag", ("chain", "planner"))):
+        if cfg.rollout[name] not in allowed:
+            raise ConfigError(f"config.rollout.{name}: must be one of {allowed}, got {cfg.rollout[name]!r}")
+    for name in ("lora_lr", "router_lr"):
+        if cfg.train[name] <= 0:
+            raise ConfigError(f"config.train.{name}: must be > 0, got {cfg.train[name]}")
+    _positive(cfg, "train.ppo_epochs")
+    if cfg.train.max_grad_norm < 0:
+        raise ConfigError(f"config.train.max_grad_norm: must be >= 0 (0 = off), got {cfg.train.max_grad_norm}")
+    if cfg.train.loss_normalisation not in ("sequence_mean", "sequence_sum"):
+        raise ConfigError(f"config.train.loss_normalisation: must be sequence_mean or sequence_sum, "
+                          f"got {cfg.train.loss_normalisation!r}")
+    from morse_jax.tasks.registry import FAMILIES
+
+    if cfg.data.family not in FAMILIES:
+        raise ConfigError(f"config.data.family: must be one of {FAMILIES}, got {cfg.data.family!r}")
+    if cfg.data.family == "pyfuncs":
+        from morse_jax.tasks.pyfuncs.data import SPLITS
+
+        for field in ("train", "eval"):
+            if cfg.data[field] and cfg.data[field] not in SPLITS:
+                raise ConfigError(f"config.data.{field}: pyfuncs splits are {SPLITS}, got {cfg.data[field]!r}")
+    if cfg.mode in ("solve", "plan") and not cfg.task.strip():
+        raise ConfigError(f"config.task: mode={cfg.mode} needs a task description (--config.task=\"...\")")
+    if cfg.train.epochs < 0:
+        raise ConfigError(f"config.train.epochs: must be >= 0, got {cfg.train.epochs}")
+    if len(cfg.parallel.mesh) != 3 or any(not isinstance(v, int) or (v < 1 and v != -1) for v in cfg.parallel.mesh):
+        raise ConfigError(f"config.parallel.mesh: must be 3 ints (data, fsdp, tensor), each >= 1 or -1, "
+                          f"got {tuple(cfg.parallel.mesh)}")
+    if not cfg.model.path and cfg.mode != "describe":
+        raise ConfigError("config.model.path: required: an HF checkpoint directory, a .gguf file, or 'embedded'")
+    if not check_paths:
+        return
+    if cfg.model.path != "embedded" and not Path(cfg.model.path).expanduser().exists():
+        raise ConfigError(f"config.model.path: {cfg.model.path} does not exist")
+    if cfg.model.path == "embedded":
+        from morse_jax.models.loading import embedded_model_path
+
+        try:
+            embedded_model_path()
+        except FileNotFoundError as e:
+            raise ConfigError(f"config.model.path: {e}") from e
+    if cfg.mode in ("train", "eval", "diagnose") and cfg.data.family != "pyfuncs":
+        for field in ("train", "eval"):
+            src = cfg.data[field]
+            if not src or src.startswith("package:"):
+                continue
+            p = Path(src).expanduser()
+            if p.suffix in (".jsonl", ".csv"):
+                if not p.exists():
+                    raise ConfigError(f"config.data.{field}: file {src} does not exist")
+            elif not Path(cfg.data.dir).expanduser().exists():
+                raise ConfigError(f"config.data.dir: {cfg.data.dir} does not exist (needed for split {src!r})")
+    if (cfg.data.family == "scicode" and cfg.mode in ("train", "eval") and not cfg.data.scicode_h5
+            and any(src and not src.startswith("package:") for src in (cfg.data.train, cfg.data.eval))):
+        raise ConfigError("config.data.scicode_h5: required for the MoRSE SciCode splits (the official "
+                          "test_data.h5; without it only the 'package:dev' problems can be scored)")
+    if cfg.data.scicode_h5 and not Path(cfg.data.scicode_h5).expanduser().exists():
+        raise ConfigError(f"config.data.scicode_h5: {cfg.data.scicode_h5} does not exist")

@@ -1,0 +1,278 @@
+"""Jitted backbone logits, sampler and update step with explicit in/out shardings over a mesh.
+
+``Sampler(..., mesh=mesh)`` and ``Trainer(..., mesh=mesh)`` call :func:`sampler_functions` and
+:func:`trainer_functions`; :func:`sharded_logits` is the mesh version of ``models.logits``.
+
+Layout (see ``sharding.py`` for the rules): backbone weights by logical axes; the expert bank,
+router and optimizer states replicated; batch rows split over (data, fsdp); KV caches split over
+batch (and kv heads). Values the host reads back (generated tokens, log-probs, flags, gradients,
+metrics) come out replicated, so every process of a multi-controller run can read them without a
+gather. A batch the mesh does not divide is replicated rather than split, which changes where the
+work runs, never the result.
+
+Shardings depend on shapes, so :class:`ShapeKeyedJit` keeps one ``jax.jit`` per argument
+signature; signatures come from the sampler's and trainer's buckets, so the count stays bounded
+and equals the number of compiles either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from morse_jax.models.config import ModelConfig
+from morse_jax.models.transformer import forward, init_cache
+from morse_jax.parallel.sharding import (
+    activation_sharding,
+    batch_shardings,
+    cache_shardings,
+    param_shardings,
+    replicated,
+    shard_params,
+    shape_of,
+    to_global,
+)
+
+ShardingFn = Callable[[tuple, dict], tuple[Any, Any]]
+
+
+def _signature(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(shape_of(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+
+
+class ShapeKeyedJit:
+    """``jax.jit(fn, in_shardings, out_shardings)`` with shardings computed per argument shapes.
+
+    ``shardings(args, static)`` returns (in_shardings per positional arg, out_shardings). Keyword
+    arguments that are not static are bound to their positions. Calls place their arguments on
+    the mesh first (:func:`to_global`), so host arrays work in one process and in many.
+    """
+
+    def __init__(self, fn: Callable, shardings: ShardingFn, *, static_argnames: Sequence[str] = (),
+                 donate_argnums: Sequence[int] = ()):
+        self.fn, self.shardings = fn, shardings
+        self.static_argnames = tuple(static_argnames)
+        self.donate_argnums = tuple(donate_argnums)
+        self._sig = inspect.signature(fn)
+        self._jits: dict = {}
+
+    def _bind(self, args, kwargs):
+        static = {k: v for k, v in kwargs.items() if k in self.static_argnames}
+        dynamic = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        if dynamic:
+            bound = self._sig.bind_partial(*args, **dynamic)
+            names = [p for p in self._sig.parameters if p not in self.static_argnames]
+            args = tuple(bound.arguments[n] for n in names if n in bound.arguments)
+        return tuple(args), static
+
+    def _get(self, args, static):
+        key = (_signature(args), tuple(sorted(static.items())))
+        if key not in self._jits:
+            in_sh, out_sh = self.shardings(args, static)
+            # jit takes no keyword arguments alongside in_shardings: static values are bound here
+            # (they are part of the key, so this is the same one program per value jit would make).
+            fn = functools.partial(self.fn, **static) if static else self.fn
+            self._jits[key] = (jax.jit(fn, in_shardings=tuple(in_sh), out_shardings=out_sh,
+                                       donate_argnums=self.donate_argnums), tuple(in_sh))
+        return self._jits[key]
+
+    def __call__(self, *args, **kwargs):
+        args, static = self._bind(args, kwargs)
+        jitted, in_sh = self._get(args, static)
+        return jitted(*to_global(args, in_sh))
+
+    def lower(self, *args, **kwargs):
+        args, static = self._bind(args, kwargs)
+        jitted, _ = self._get(args, static)
+        return jitted.lower(*args)
+
+    @property
+    def num_programs(self) -> int:
+        return len(self._jits)
+
+
+def _like(sharding: NamedSharding, tree) -> Any:
+    """One sharding for every leaf of ``tree`` (None stays an empty subtree)."""
+    return jax.tree.map(lambda _: sharding, tree)
+
+
+# --------------------------------------------------------------------------- backbone logits
+
+
+def sharded_logits(mesh: Mesh, backbone) -> Callable:
+    """Mesh version of ``morse_jax.models.logits``: returns ``fn(tokens, valid=None)`` giving
+    float32 [batch, seq, vocab] logits split over batch (and vocab over ``tensor``).
+
+    The backbone's params are placed on the mesh once, here.
+    """
+    cfg: ModelConfig = backbone.config
+    params = shard_params(mesh, backbone.params, cfg)
+    p_sh = param_shardings(mesh, params, cfg)
+
+    def impl(params, tokens, valid):
+        return forward(params, cfg, tokens, valid=valid)[0]
+
+    def shardings(args, static):
+        _, tokens, valid = args
+        B, T = shape_of(tokens)
+        bs = batch_shardings(mesh, (tokens, valid))
+        return (p_sh, *bs), activation_sharding(mesh, ("batch", None, "vocab"), (B, T, cfg.vocab_size), cfg)
+
+    jitted = ShapeKeyedJit(impl, shardings)
+
+    def fn(tokens, valid=None):
+        tokens = np.asarray(tokens, np.int32)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        valid = np.ones(tokens.shape, bool) if valid is None else np.asarray(valid, bool)
+        return jitted(params, tokens, valid)
+
+    fn.params = params  # type: ignore[attr-defined]
+    fn.jit = jitted  # type: ignore[attr-defined]
+    return fn
+
+
+def shard_backbone(mesh: Mesh, backbone):
+    """The backbone with its params placed on the mesh (a new ``Backbone``; same config/tokenizer)."""
+    return dataclasses.replace(backbone, params=shard_params(mesh, backbone.params, backbone.config))
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+def sampler_functions(sampler, mesh: Mesh):
+    """Sharded params, prefill and decode for a ``sampling.generate.Sampler``.
+
+    Returns (params placed on the mesh, prefill, decode) with the same call signatures as the
+    sampler's plain ``jax.jit`` functions (the decode still donates its state).
+    """
+    cfg = sampler.cfg
+    params = shard_params(mesh, sampler._params, cfg)
+    p_sh = param_shardings(mesh, params, cfg)
+    rep = replicated(mesh)
+    fused = sampler.config.decode_path == "fused"
+
+    def cache_like(B: int, S: int, dtype):
+        if fused:
+            from morse_jax.models.decode import init_decode_cache
+
+            return jax.eval_shape(lambda: init_decode_cache(cfg, B, S, dtype))
+        return jax.eval_shape(lambda: init_cache(cfg, params, B, S, dtype))
+
+    def row(x, *rest_logical):
+        return activation_sharding(mesh, ("batch",) + rest_logical, shape_of(x), cfg)
+
+    def prefill_shardings(args, static):
+        _, bank, tokens, valid, ids, weights, n_chunks = args
+        B = shape_of(tokens)[0]
+        dtype = sampler.config.cache_dtype or params["embed"].dtype
+        cache = cache_like(B, static["cache_len"], dtype)
+        in_sh = (p_sh, _like(rep, bank), row(tokens, None), row(valid, None), row(ids, None), row(weights, None), rep)
+        out_sh = (activation_sharding(mesh, ("batch", None), (B, cfg.vocab_size), cfg),
+                  cache_shardings(mesh, cache, cfg), rep)
+        if sampler.capture_layer is not None:  # prefix states [B, P, d]
+            out_sh += (activation_sharding(mesh, ("batch", None, None), (*shape_of(tokens), cfg.hidden_size), cfg),)
+        return in_sh, out_sh
+
+    def state_shardings(state):
+        host_read = ("key", "step", "tokens", "logps", "n_gen", "reason", "done", "pos")
+        out = {k: _like(rep, v) for k, v in state.items() if k in host_read}
+        out["logits"] = row(state["logits"], None)
+        out["cache"] = cache_shardings(mesh, state["cache"], cfg)
+        if "states" in state:
+            out["states"] = row(state["states"], None, None)
+        missing = set(state) - set(out)
+        if missing:
+            raise ValueError(f"sampler state has unexpected entries {sorted(missing)}")
+        return out
+
+    def decode_shardings(args, static):
+        _, bank, state, ids, weights, settings, stop_end = args
+        st = state_shardings(state)
+        in_sh = (p_sh, _like(rep, bank), st, row(ids, None), row(weights, None),
+                 tuple(row(s, *(None,) * (len(shape_of(s)) - 1)) for s in settings), rep)
+        return in_sh, st
+
+    prefill = ShapeKeyedJit(sampler._prefill_impl, prefill_shardings, static_argnames=("cache_len", "chunk"))
+    decode = ShapeKeyedJit(sampler._decode_impl, decode_shardings, donate_argnums=(2,))
+    return params, prefill, decode
+
+
+# --------------------------------------------------------------------------- update step
+
+
+def trainer_functions(trainer, mesh: Mesh):
+    """Sharded frozen params and jitted functions for an ``rl.train_step.Trainer``.
+
+    Returns (frozen, lora_grad, router_grad, apply, logprobs) with the trainer's call signatures.
+    Batches are split over rows; the trainable tree, gradients (summed over the batch shards by
+    XLA), optimizer state and metrics are replicated.
+    """
+    from morse_jax.rl.update import sequence_logprobs
+
+    cfg = trainer.model_cfg
+    frozen = shard_params(mesh, trainer.frozen, cfg)
+    f_sh = param_shardings(mesh, frozen, cfg)
+    rep = replicated(mesh)
+    embed_sh = f_sh["embed"]
+
+    def lora_shardings(args, static):
+        trainable, _, batch = args
+        return (_like(rep, trainable), f_sh, batch_shardings(mesh, batch)), rep
+
+    def router_shardings(args, static):
+        trainable, _, batch = args
+        return (_like(rep, trainable), embed_sh, batch_shardings(mesh, batch)), rep
+
+    def apply_shardings(args, static):
+        return tuple(_like(rep, a) for a in args), rep
+
+    def logprobs_impl(frozen, bank, batch):
+        return sequence_logprobs(frozen, cfg, trainer.spec, bank, batch, start_layer=trainer.start_layer)
+
+    def logprobs_shardings(args, static):
+        _, bank, batch = args
+        return (f_sh, _like(rep, bank), batch_shardings(mesh, batch)), rep
+
+    lora_grad = ShapeKeyedJit(trainer._lora_grad_impl, lora_shardings)
+    router_grad = ShapeKeyedJit(trainer._router_grad_impl, router_shardings, static_argnames=("reinforce",))
+    apply = ShapeKeyedJit(trainer._apply_impl, apply_shardings, donate_argnums=(0, 1))
+    logprobs = ShapeKeyedJit(logprobs_impl, logprobs_shardings)
+    return frozen, lora_grad, router_grad, apply, logprobs
+
+
+def replicated_jit(mesh: Mesh, fn: Callable, *, static_argnames: Sequence[str] = ()) -> ShapeKeyedJit:
+    """jit for small host-facing computations (routing draws, metrics) in a mesh run.
+
+    Arguments already placed on ``mesh`` keep their sharding (no gather of a sharded embedding);
+    everything else (host arrays, keys, single-device arrays) goes in replicated, and every output
+    comes out replicated, so each process can read the result without a gather.
+    """
+    rep = replicated(mesh)
+
+    def keep_or_rep(x):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh == mesh:
+            return s
+        return rep
+
+    def shardings(args, static):
+        return tuple(jax.tree.map(keep_or_rep, a) for a in args), rep
+
+    return ShapeKeyedJit(fn, shardings, static_argnames=static_argnames)
+
+
+def replicate(mesh: Mesh, tree: Any) -> Any:
+    """Place a tree (trainable params, optimizer state) replicated on every device of the mesh."""
+    return to_global(tree, replicated(mesh))
+
+
+__all__ = ["ShapeKeyedJit", "replicate", "replicated_jit", "sampler_functions", "shard_backbone", "sharded_logits",
+           "trainer_functions"]

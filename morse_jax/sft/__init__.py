@@ -1,0 +1,1 @@
+"""Supervised fine-tuning for role-tagged data (MoRAgent)."""

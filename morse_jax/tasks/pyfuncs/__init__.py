@@ -1,0 +1,1 @@
+"""PyFuncs: a small verifiable function-writing family the embedded model can partly solve."""

@@ -1,0 +1,1 @@
+"""Sandbox for untrusted generated code: runner, isolation, process control, records, wire format."""

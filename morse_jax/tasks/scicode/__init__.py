@@ -1,0 +1,1 @@
+"""SciCode task family: data, context code, harness, targets, comparison, the family."""

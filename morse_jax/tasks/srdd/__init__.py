@@ -1,0 +1,1 @@
+"""SRDD task family: data, codebase parsing, static analysis, scoring, the family."""

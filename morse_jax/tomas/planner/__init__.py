@@ -1,0 +1,1 @@
+"""Planner: task description -> prompt -> model text -> validated DAG (see loop.py)."""

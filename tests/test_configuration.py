@@ -171,7 +171,7 @@ def test_family_options_reach_the_family(tmp_path):
     """SciCode binary reward / gold context and SRDD gate / completeness rule / planner hint are
     config fields wired to the family the job builds."""
     from morse_jax.tasks.registry import build_family
-    from morse_jax.tomas.planner.prompts import SOFTWARE_PROJECT_HINT
+    from morse_jax.tasks.srdd.family import SOFTWARE_PROJECT_HINT
 
     sc = _with(_with(defaults(), "scicode.binary_reward", True), "scicode.gold_context", True)
     fam = build_family(sc, tmp_path)
@@ -192,7 +192,7 @@ def test_srdd_planner_hint_reaches_the_planner_prompt(tmp_path):
     from morse_jax.tasks.base import Task
     from morse_jax.tasks.registry import build_family
     from morse_jax.tomas.orchestrator import Orchestrator
-    from morse_jax.tomas.planner.prompts import SOFTWARE_PROJECT_HINT
+    from morse_jax.tasks.srdd.family import SOFTWARE_PROJECT_HINT
     from morse_jax.tomas.trace import OrchestratorConfig
 
     fam = build_family(_with(defaults(), "data.family", "srdd"), tmp_path)

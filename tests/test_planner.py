@@ -10,7 +10,8 @@ import networkx as nx
 import pytest
 
 from morse_jax.tomas.planner import loop as P
-from morse_jax.tasks.plan import Plan
+from morse_jax.tasks.plan import Plan, step_chain_plan
+from morse_jax.tasks.srdd.family import SOFTWARE_PROJECT_HINT
 
 
 def node(nid, deps=(), desc=None, title=None):
@@ -250,7 +251,7 @@ TASK = "Build a command-line todo app with add, list and delete commands, saving
 
 
 def test_planner_messages_content():
-    msgs = P.planner_messages(TASK, min_nodes=3, max_nodes=5, roles_hint=P.SOFTWARE_PROJECT_HINT)
+    msgs = P.planner_messages(TASK, min_nodes=3, max_nodes=5, roles_hint=SOFTWARE_PROJECT_HINT)
     assert [m["role"] for m in msgs] == ["system", "user"]
     user = msgs[1]["content"]
     assert "3 to 5 subtasks" in user and TASK in user and "every requirement" in user
@@ -345,13 +346,13 @@ STEPS = [("1.1", "Compute the Wigner function.\ndef wigner(x):"), ("1.2", "Integ
 
 
 def test_scicode_chain_and_step_checks():
-    plan = P.scicode_plan(STEPS)
+    plan = step_chain_plan(STEPS)
     assert deps_of(plan) == {"1.1": [], "1.2": ["1.1"], "1.3": ["1.2"]}
     assert plan.nodes[0].title == "Compute the Wigner function."
     for bad, msg in [([], "non-empty"), ([("1", "a"), ("1", "b")], "duplicate step_id"),
                      ([("1", "")], "description"), ([("1",)], "pair")]:
         with pytest.raises(ValueError, match=msg):
-            P.scicode_plan(bad)
+            step_chain_plan(bad)
 
 
 DEP_CASES = [

@@ -37,9 +37,8 @@ def build_family(cfg, workdir: Path):
 def srdd_family(cfg):
     """SRDDFamily with the config's reward gate, completeness rule and planner hint (also used for
     free-text tasks in mode=solve / plan)."""
-    from morse_jax.tasks.srdd.family import SRDDFamily
+    from morse_jax.tasks.srdd.family import SOFTWARE_PROJECT_HINT, SRDDFamily
     from morse_jax.tasks.srdd.scoring import SRDDRewardConfig
-    from morse_jax.tomas.planner.prompts import SOFTWARE_PROJECT_HINT
 
     reward = SRDDRewardConfig(use_gate=cfg.srdd.use_gate, completeness_mode=cfg.srdd.completeness_mode)
     return SRDDFamily(reward=reward, planner_hint=SOFTWARE_PROJECT_HINT if cfg.srdd.planner_hint else None)

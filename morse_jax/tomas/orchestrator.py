@@ -45,6 +45,7 @@ from morse_jax.mole.experts import ExpertBankSpec, execute_set, merge_set, singl
 from morse_jax.sampling.sampler import Completion, Request
 from morse_jax.tasks.base import Task, TaskFamily, VerifyResult
 from morse_jax.tomas.planner import loop as _planner
+from morse_jax.tomas.planner.prompts import PLACEHOLDER_DESCRIPTION, replan_messages
 from morse_jax.tasks.plan import Plan, PlanNode
 from morse_jax.tomas.planner.fixed import (DEPENDENCIES_PREFIX, dependencies_plan, infer_dependencies_messages,
                                            with_dependencies_of)
@@ -280,7 +281,7 @@ class Orchestrator:
                 except ValueError as e:  # PlanParseError / PlanValidationError
                     note = f"planner attempt {rnd} rejected: {e}"
                     logger.warning("task %s: %s", tid, note)
-                    pending[tid] = (base, _planner._replan_messages(base, text, str(e)), notes + [note], fixed)
+                    pending[tid] = (base, replan_messages(base, text, str(e)), notes + [note], fixed)
                     continue
                 for r in plan.repairs:
                     logger.info("task %s: plan repair: %s", tid, r)
@@ -314,7 +315,7 @@ class Orchestrator:
     def _parse_plan(self, text: str) -> Plan:
         obj = _planner.extract_json_object(text, prefer_keys=("nodes", *_planner.NODE_LIST_ALIASES))
         plan = _planner.validate_plan(obj, min_nodes=self.config.min_nodes, max_nodes=self.config.max_nodes)
-        if any(n.description == _planner._PLACEHOLDER for n in plan.nodes):
+        if any(n.description == PLACEHOLDER_DESCRIPTION for n in plan.nodes):
             raise _planner.PlanValidationError(
                 "the plan copies the placeholder example instead of planning the task")
         return plan

@@ -54,8 +54,7 @@ from morse_jax.tasks.scicode.harness import (HARNESS_VERSION, ExecLimits, StepRe
                                              _step_job, prepared_tests, run_step_tests, step_program)
 from morse_jax.tasks.scicode.targets import (H5Targets, RebuiltTargets, TargetRebuildError, TargetSource,
                                              default_cache_dir)
-from morse_jax.tasks.plan import Plan, PlanNode
-from morse_jax.tomas.planner.loop import scicode_plan
+from morse_jax.tasks.plan import Plan, PlanNode, step_chain_plan
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,12 +105,12 @@ class SciCodeFamily:
 
     def fixed_plan(self, task: Task) -> Plan:
         """The steps as a chain; ``planner.plan_with_fixed_nodes(step_pairs(...))`` may infer a DAG."""
-        return scicode_plan(step_pairs(self._problem(task)))
+        return step_chain_plan(step_pairs(self._problem(task)))
 
     def single_agent_plan(self, task: Task) -> Plan:
         """Single-agent mode (the orchestrator's hook): one call per step in order, SciCode's own
         protocol; a step is the smallest unit the tests score, so the whole problem cannot be one node."""
-        return scicode_plan(step_pairs(self._problem(task)))
+        return step_chain_plan(step_pairs(self._problem(task)))
 
     def _upstream(self, problem: Problem, step: Step, context: str) -> str:
         if self.gold_context:

@@ -69,6 +69,15 @@ Rules:
   network, so build a text (console) interface even if the task mentions a graphical one.
 - Read user input with input(); the program must not crash when input ends (EOF)."""
 
+# Domain guidance for the planner (``SRDDFamily.planner_hint``, config.srdd.planner_hint),
+# adapted from the rules of the authors' planner prompt. It lives with the family, not in the
+# generic planner, which only passes a family's hint on as extra rules.
+SOFTWARE_PROJECT_HINT = (
+    "Subtasks are developer work items (requirements analysis, architecture, implementation of "
+    "modules, integration, testing). The program must use the Python standard library only; "
+    "if the task implies graphics or a GUI, plan a terminal/ASCII interface instead."
+)
+
 
 def _check_task(task: Task, node: PlanNode) -> None:
     if not isinstance(task.description, str) or not task.description.strip():
@@ -90,7 +99,7 @@ class SRDDFamily:
     format_rules: str = FORMAT_RULES
     name: str = "srdd"
     # extra planner rules (the orchestrator's ``planner_hint`` hook), e.g. the authors' software-
-    # project rules ``tomas.planner_prompts.SOFTWARE_PROJECT_HINT`` (config.srdd.planner_hint)
+    # project rules :data:`SOFTWARE_PROJECT_HINT` (config.srdd.planner_hint)
     planner_hint: str | None = None
 
     def fixed_plan(self, task: Task) -> Plan | None:

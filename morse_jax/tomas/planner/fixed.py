@@ -2,7 +2,8 @@
 
 Split out of :mod:`morse_jax.tomas.planner.loop` (one concept per module), which re-exports the
 public names defined here. The steps themselves are given; only the edges are planned, and a
-bad reply degrades edge by edge (or to the chain), never to an error.
+bad reply degrades edge by edge (or to the chain, :func:`~morse_jax.tasks.plan.step_chain_plan`),
+never to an error.
 """
 
 from __future__ import annotations
@@ -11,37 +12,17 @@ import dataclasses
 import logging
 from typing import Any, Mapping, Sequence
 
-from morse_jax.tasks.plan import Plan, PlanNode
+from morse_jax.tasks.plan import Plan, PlanNode, check_steps, check_text, derive_title, step_chain_plan
 from morse_jax.tomas.planner.json_object import extract_json_object
-from morse_jax.tomas.planner.prompts import _SYSTEM, GenerateFn, Message
-from morse_jax.tomas.planner.validate import _check_text, _derive_title, _Fixer
+from morse_jax.tomas.planner.prompts import PLANNER_SYSTEM, GenerateFn, Message
+from morse_jax.tomas.planner.validate import RepairLog
 
 logger = logging.getLogger("morse_jax.planner")
 
 
-def _check_steps(steps: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    if isinstance(steps, (str, bytes)) or not isinstance(steps, Sequence) or not steps:
-        raise ValueError("steps must be a non-empty sequence of (step_id, description) pairs")
-    out, seen = [], set()
-    for i, st in enumerate(steps):
-        if not isinstance(st, (tuple, list)) or len(st) != 2:
-            raise ValueError(f"steps[{i}] must be a (step_id, description) pair, got {st!r:.60}")
-        sid = _check_text(f"steps[{i}] step_id", st[0])
-        if sid in seen:
-            raise ValueError(f"steps[{i}]: duplicate step_id {sid!r}")
-        seen.add(sid)
-        out.append((sid, _check_text(f"steps[{i}] description", st[1])))
-    return out
-
-
-def scicode_plan(steps: Sequence[tuple[str, str]]) -> Plan:
-    """The chain plan for fixed steps: each step depends on the previous one."""
-    return Plan.chain([PlanNode(s, _derive_title(d), d) for s, d in _check_steps(steps)])
-
-
 def infer_dependencies_messages(task_description: str, steps: Sequence[tuple[str, str]]) -> list[Message]:
     """Messages asking which earlier steps each fixed step needs (the authors' SciCode prompt, adapted)."""
-    task, steps = _check_text("task_description", task_description), _check_steps(steps)
+    task, steps = check_text("task_description", task_description), check_steps(steps)
     blocks = "\n\n-----\n\n".join(f"Step ID: {s}\n{d}" for s, d in steps)
     user = "\n".join([
         "The task below is already decomposed into ordered steps. Infer only the dependency links "
@@ -53,7 +34,7 @@ def infer_dependencies_messages(task_description: str, steps: Sequence[tuple[str
         '{"dependencies": [{"step": "<step id>", "depends_on": ["<step id>", "..."]}]}',
         "", "Task:", task, "", "Ordered steps:", blocks,
     ])
-    return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}]
+    return [{"role": "system", "content": PLANNER_SYSTEM}, {"role": "user", "content": user}]
 
 
 def _dependency_rows(obj: Mapping) -> dict[str, Any]:
@@ -85,10 +66,10 @@ def dependencies_plan(text: str, steps: Sequence[tuple[str, str]]) -> Plan:
     step after the first that ends with no parent is attached to its predecessor, as in the
     reference implementation, so every later step sees upstream code. All recorded in repairs.
     """
-    steps = _check_steps(steps)
+    steps = check_steps(steps)
     order = [s for s, _ in steps]
     rows = _dependency_rows(extract_json_object(text, prefer_keys=("dependencies",)))
-    fix, nodes = _Fixer(True), []
+    fix, nodes = RepairLog(True), []
     for extra in sorted(set(rows) - set(order)):
         fix(f"ignored dependencies given for unknown step {extra!r}")
     for i, (sid, desc) in enumerate(steps):
@@ -107,7 +88,7 @@ def dependencies_plan(text: str, steps: Sequence[tuple[str, str]]) -> Plan:
         if i > 0 and not kept:
             kept = [order[i - 1]]
             fix(f"step {sid!r}: no earlier step given; attached to its predecessor {order[i - 1]!r}")
-        nodes.append(PlanNode(sid, _derive_title(desc), desc, tuple(kept)))
+        nodes.append(PlanNode(sid, derive_title(desc), desc, tuple(kept)))
     return Plan(tuple(nodes), tuple(fix.notes))
 
 
@@ -127,7 +108,7 @@ def parse_inferred_dependencies(text: str, steps: Sequence[tuple[str, str]]) -> 
     except ValueError as e:
         note = f"dependency inference unusable ({e}); used the step chain"
         logger.warning(note)
-        return dataclasses.replace(scicode_plan(steps), repairs=(note,))
+        return dataclasses.replace(step_chain_plan(steps), repairs=(note,))
 
 
 def plan_with_fixed_nodes(

@@ -10,13 +10,14 @@ This module holds the planning loop (:func:`plan_task`, :func:`single_node_plan`
 it is built from, one concept each (split to keep files under ~500 lines):
 
 * :mod:`~morse_jax.tomas.planner.prompts` -- the planning and re-planning prompts
-  (``planner_messages``, ``SOFTWARE_PROJECT_HINT``).
+  (``planner_messages``, ``replan_messages``).
 * :mod:`~morse_jax.tomas.planner.json_object` -- the JSON in model output (``extract_json_object``,
   ``PlanParseError``); its docstring lists the parsing choices.
 * :mod:`~morse_jax.tomas.planner.validate` -- schema, DAG rules and repairs (``validate_plan``,
   ``PlanValidationError``); its docstring lists every repair and error.
-* :mod:`~morse_jax.tomas.planner.fixed` -- plans over fixed nodes, SciCode's sub-steps
-  (``scicode_plan``, ``plan_with_fixed_nodes``, ``parse_inferred_dependencies``).
+* :mod:`~morse_jax.tomas.planner.fixed` -- dependencies over fixed nodes, SciCode's sub-steps
+  (``plan_with_fixed_nodes``, ``parse_inferred_dependencies``); the chain over fixed steps is
+  :func:`morse_jax.tasks.plan.step_chain_plan` (families build it without the planner).
 
 All of them log on the one logger ``morse_jax.planner``. Re-exported names are the same objects,
 but code reads them from the module that defines them: to monkeypatch one, patch that module.
@@ -30,14 +31,14 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
-from morse_jax.tasks.plan import Plan, PlanNode
+from morse_jax.tasks.plan import Plan, PlanNode, check_text, derive_title
 from morse_jax.tomas.planner.fixed import (infer_dependencies_messages, parse_inferred_dependencies,
-                                           plan_with_fixed_nodes, scicode_plan)
+                                           plan_with_fixed_nodes)
 from morse_jax.tomas.planner.json_object import PlanParseError, extract_json_object
-from morse_jax.tomas.planner.prompts import (_PLACEHOLDER, SOFTWARE_PROJECT_HINT, GenerateFn, Message,
-                                             _replan_messages, planner_messages)
+from morse_jax.tomas.planner.prompts import (PLACEHOLDER_DESCRIPTION, GenerateFn, Message, planner_messages,
+                                             replan_messages)
 from morse_jax.tomas.planner.validate import (DEPENDS_ALIASES, NODE_LIST_ALIASES, PlanValidationError,
-                                              _check_text, _derive_title, validate_plan)
+                                              validate_plan)
 
 logger = logging.getLogger("morse_jax.planner")
 
@@ -48,8 +49,8 @@ logger = logging.getLogger("morse_jax.planner")
 
 def single_node_plan(task_description: str, repairs: Sequence[str] = ()) -> Plan:
     """The fallback: one node whose description is the whole task."""
-    task = _check_text("task_description", task_description)
-    return Plan((PlanNode("n1", _derive_title(task), task, ()),), tuple(repairs))
+    task = check_text("task_description", task_description)
+    return Plan((PlanNode("n1", derive_title(task), task, ()),), tuple(repairs))
 
 
 def plan_task(
@@ -83,13 +84,13 @@ def plan_task(
         try:
             plan = validate_plan(extract_json_object(text, prefer_keys=("nodes", *NODE_LIST_ALIASES)),
                                  min_nodes=min_nodes, max_nodes=max_nodes)
-            if any(n.description == _PLACEHOLDER for n in plan.nodes):
+            if any(n.description == PLACEHOLDER_DESCRIPTION for n in plan.nodes):
                 raise PlanValidationError("the plan copies the placeholder example instead of planning the task")
         except ValueError as e:  # PlanParseError / PlanValidationError
             note = f"planner attempt {attempt} rejected: {e}"
             notes.append(note)
             log.warning(note)
-            messages = _replan_messages(base, text, str(e))
+            messages = replan_messages(base, text, str(e))
             continue
         return dataclasses.replace(plan, repairs=(*notes, *plan.repairs))
     note = f"fell back to a single-node plan after {max_replans + 1} rejected planner attempts"

@@ -11,24 +11,19 @@ from __future__ import annotations
 import json
 from typing import Callable, Sequence
 
-from morse_jax.tomas.planner.validate import _check_bounds, _check_text
+from morse_jax.tasks.plan import check_text
+from morse_jax.tomas.planner.validate import check_bounds
 
 Message = dict[str, str]
 GenerateFn = Callable[[list[Message]], str]
 
-_PLACEHOLDER = "What to do and what it delivers."  # the prompt's example; an echo of it is rejected
+# The example description in the planning prompt; a plan that echoes it is rejected (by
+# ``plan_task`` and the orchestrator's batched planning).
+PLACEHOLDER_DESCRIPTION = "What to do and what it delivers."
 _ECHO_CHARS = 1500  # how much of a rejected answer is echoed back when re-planning
 
-# Domain guidance a software-project task family (SRDD) can pass as ``roles_hint``; adapted
-# from the rules of the authors' planner prompt.
-SOFTWARE_PROJECT_HINT = (
-    "Subtasks are developer work items (requirements analysis, architecture, implementation of "
-    "modules, integration, testing). The program must use the Python standard library only; "
-    "if the task implies graphics or a GUI, plan a terminal/ASCII interface instead."
-)
-
-
-_SYSTEM = (
+# The system message of every planner request (planning and dependency inference).
+PLANNER_SYSTEM = (
     "You are the planner of a multi-agent system. You decompose a task into a dependency graph "
     "(a DAG) of subtasks. Each subtask is carried out later by its own agent, which sees the task, "
     "its subtask description and the outputs of the subtasks it depends on."
@@ -49,8 +44,8 @@ def planner_messages(
     task's requirements, joins that must combine all their parents, JSON only.
     ``roles_hint``: optional domain guidance (a string or a list of rules) added to the rules.
     """
-    task = _check_text("task_description", task_description)
-    _check_bounds(min_nodes, max_nodes)
+    task = check_text("task_description", task_description)
+    check_bounds(min_nodes, max_nodes)
     span = f"{min_nodes}" if min_nodes == max_nodes else f"{min_nodes} to {max_nodes}"
     rules = [
         "Together the descriptions must cover every requirement and detail stated in the task; "
@@ -67,8 +62,8 @@ def planner_messages(
     elif roles_hint is not None and not isinstance(roles_hint, str):
         rules.extend(str(r).strip() for r in roles_hint if str(r).strip())
     example = {"nodes": [
-        {"id": "n1", "title": "Short action", "description": _PLACEHOLDER, "depends_on": []},
-        {"id": "n2", "title": "Short action", "description": _PLACEHOLDER, "depends_on": ["n1"]},
+        {"id": "n1", "title": "Short action", "description": PLACEHOLDER_DESCRIPTION, "depends_on": []},
+        {"id": "n2", "title": "Short action", "description": PLACEHOLDER_DESCRIPTION, "depends_on": ["n1"]},
     ]}
     user = "\n".join([
         f"Decompose the task below into {span} subtasks. For every subtask give:",
@@ -87,10 +82,10 @@ def planner_messages(
         "Task:",
         task,
     ])
-    return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}]
+    return [{"role": "system", "content": PLANNER_SYSTEM}, {"role": "user", "content": user}]
 
 
-def _replan_messages(base: list[Message], previous: str, error: str) -> list[Message]:
+def replan_messages(base: list[Message], previous: str, error: str) -> list[Message]:
     """The original request, the rejected answer (truncated) and the reason it was rejected."""
     prev = previous if len(previous) <= _ECHO_CHARS else previous[:_ECHO_CHARS] + " [...]"
     fix = (f"That answer was rejected: {error}\nReply again with the complete corrected plan as "

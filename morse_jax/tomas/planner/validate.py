@@ -20,18 +20,16 @@ public names defined here.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any, Mapping, Sequence
 
 import networkx as nx
 
-from morse_jax.tasks.plan import Plan, PlanNode
+from morse_jax.tasks.plan import Plan, PlanNode, derive_title
 
 logger = logging.getLogger("morse_jax.planner")
 
 NODE_LIST_ALIASES = ("subtasks", "steps", "tasks")
 DEPENDS_ALIASES = ("dependencies", "deps", "parents")
-_TITLE_CHARS = 60
 
 
 class PlanValidationError(ValueError):
@@ -42,25 +40,21 @@ class PlanValidationError(ValueError):
 # Input checks
 
 
-def _check_bounds(min_nodes: int, max_nodes: int | None) -> None:
+def check_bounds(min_nodes: int, max_nodes: int | None) -> None:
+    """Raise ValueError unless 1 <= min_nodes <= max_nodes (max_nodes None = unbounded)."""
     if not isinstance(min_nodes, int) or min_nodes < 1:
         raise ValueError(f"min_nodes must be an int >= 1, got {min_nodes!r}")
     if max_nodes is not None and (not isinstance(max_nodes, int) or max_nodes < min_nodes):
         raise ValueError(f"max_nodes must be an int >= min_nodes ({min_nodes}), got {max_nodes!r}")
 
 
-def _check_text(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{name} must be a non-empty string, got {value!r:.80}")
-    return value.strip()
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation and repair
 
 
-class _Fixer:
-    """Collects repairs, or turns each into an error when repairs are not allowed."""
+class RepairLog:
+    """Collects repairs (``notes``, each logged), or turns each into a PlanValidationError when
+    repairs are not allowed. Shared by :func:`validate_plan` and the fixed-node planner."""
 
     def __init__(self, allow: bool):
         self.allow, self.notes = allow, []
@@ -81,7 +75,7 @@ def _coerce_id(value: Any, where: str) -> str:
     return out
 
 
-def _node_list(obj: Any, fix: _Fixer) -> list:
+def _node_list(obj: Any, fix: RepairLog) -> list:
     if isinstance(obj, list):
         return obj
     if not isinstance(obj, Mapping):
@@ -101,7 +95,7 @@ def _node_list(obj: Any, fix: _Fixer) -> list:
     return obj[key]
 
 
-def _raw_deps(raw: Mapping, nid: str, fix: _Fixer) -> list[str]:
+def _raw_deps(raw: Mapping, nid: str, fix: RepairLog) -> list[str]:
     where = f"node {nid!r}: field 'depends_on'"
     if "depends_on" in raw:
         deps = raw["depends_on"]
@@ -124,11 +118,6 @@ def _raw_deps(raw: Mapping, nid: str, fix: _Fixer) -> list[str]:
     if not isinstance(deps, list):
         raise PlanValidationError(f"{where} must be a list of ids, got {type(deps).__name__}")
     return [_coerce_id(d, f"{where}[{j}]") for j, d in enumerate(deps)]
-
-
-def _derive_title(description: str) -> str:
-    first = re.split(r"(?<=[.!?])\s|\n", description, maxsplit=1)[0].strip()
-    return first if len(first) <= _TITLE_CHARS else first[: _TITLE_CHARS - 3].rstrip() + "..."
 
 
 def _find_back_edge(order: Sequence[str], children: Mapping[str, list[str]]):
@@ -164,8 +153,8 @@ def validate_plan(
       repair: apply the repairs listed in the module docstring; if False each is an error.
     Raises: PlanValidationError naming the node and field.
     """
-    _check_bounds(min_nodes, max_nodes)
-    fix = _Fixer(repair)
+    check_bounds(min_nodes, max_nodes)
+    fix = RepairLog(repair)
     raw_nodes = _node_list(obj, fix)
     if not raw_nodes:
         raise PlanValidationError("plan has zero nodes")
@@ -190,7 +179,7 @@ def validate_plan(
             raise PlanValidationError(f"node {nid!r}: field 'title' must be a string")
         title = str(title).strip() if title is not None else ""
         if not title:
-            title = _derive_title(desc.strip())
+            title = derive_title(desc.strip())
             fix(f"node {nid!r}: title missing; derived {title!r} from the description")
         fields.append((title, desc.strip(), _raw_deps(raw, nid, fix)))
     known = set(ids)

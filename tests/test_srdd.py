@@ -386,7 +386,7 @@ def test_lexical_path_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom morse_jax.tasks import srdd\n"
+    code = ("import sys\nfrom morse_jax.tasks.srdd import family as srdd\n"
             "srdd.lexical_cosine('a maze game', 'maze = 1')\n"
             "srdd.score_codebase('t', 's', {'main.py': 'x = 1'}, srdd.RunOutcome(True, 'exit0'))\n"
             "print('torch' in sys.modules, 'transformers' in sys.modules)\n")

@@ -109,7 +109,7 @@ def test_every_argument_value_is_stated_in_the_query(records):
 
 
 def test_cli_writes_multi_role_jsonl(tmp_path, capsys):
-    from morse_jax.sft import data
+    from morse_jax.tasks import trajectories as data
 
     out = tmp_path / "train.jsonl"
     synthetic.main(["--n", "40", "--seed", "3", "--out", str(out)])

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from morse_jax.sft import data
+from morse_jax.tasks import trajectories
+from morse_jax.tasks.bfcl import trajectories as fc_trajectories
 from morse_jax.tasks import bfcl
 from morse_jax.tasks.bfcl import synthetic
 
@@ -52,12 +54,12 @@ def _write(tmp_path, records):
 
 def test_load_round_trip(tmp_path):
     p = _write(tmp_path, [GOOD, "", GOOD])
-    trajs, skipped = data.load_jsonl(p)
+    trajs, skipped = trajectories.load_jsonl(p)
     assert skipped == 0 and len(trajs) == 2
-    assert data.to_json(trajs[0]) == GOOD
+    assert trajectories.to_json(trajs[0]) == GOOD
     q = tmp_path / "w.jsonl"
-    data.write_jsonl(q, trajs)
-    assert data.load_jsonl(q)[0] == trajs
+    trajectories.write_jsonl(q, trajs)
+    assert trajectories.load_jsonl(q)[0] == trajs
 
 
 def _with(**changes):
@@ -96,11 +98,11 @@ BAD = [
 @pytest.mark.parametrize("record,message", BAD, ids=[m.split(":")[0] for _, m in BAD])
 def test_bad_record_names_file_line_and_field(tmp_path, record, message):
     p = _write(tmp_path, [GOOD, "", record, GOOD])
-    with pytest.raises(data.DataFormatError) as e:
-        data.load_jsonl(p)
+    with pytest.raises(trajectories.DataFormatError) as e:
+        trajectories.load_jsonl(p)
     text = str(e.value)
     assert text.startswith(f"{p}:3: {message}") and "\n" not in text
-    trajs, skipped = data.load_jsonl(p, skip_invalid=True)  # skipped only when asked, and counted
+    trajs, skipped = trajectories.load_jsonl(p, skip_invalid=True)  # skipped only when asked, and counted
     assert (len(trajs), skipped) == (2, 1)
 
 
@@ -108,7 +110,7 @@ def _expected_tokens(msgs, roles):
     """ChatML by hand, one token per character: (tokens, role ids, loss mask)."""
     toks, rid, loss = [], [], []
     for m, role in zip(msgs, roles):
-        r = data.ROLE_NAMES.index(role) if role in data.ROLE_NAMES else -1
+        r = trajectories.ROLE_NAMES.index(role) if role in trajectories.ROLE_NAMES else -1
         header = ["<|im_start|>"] + list(m["role"] + "\n")
         body = list(m["content"]) + ["<|im_end|>"]
         toks += header + body + ["\n"]
@@ -118,7 +120,7 @@ def _expected_tokens(msgs, roles):
 
 
 def test_render_role_ids_and_loss_mask(char_tokenizer):
-    traj = data.parse_record(GOOD)
+    traj = trajectories.parse_record(GOOD)
     out = data.render(traj, char_tokenizer)
     msgs = data.chat_messages(traj)
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "assistant", "user", "assistant",
@@ -131,7 +133,7 @@ def test_render_role_ids_and_loss_mask(char_tokenizer):
     np.testing.assert_array_equal(out.loss_mask, loss)
     assert out.tokens.dtype == np.int32 and out.role_ids.dtype == np.int32 and out.loss_mask.dtype == bool
     # the targets of each role are exactly its turns' contents, each closed by the end-of-turn token
-    for i, role in enumerate(data.ROLE_NAMES):
+    for i, role in enumerate(trajectories.ROLE_NAMES):
         got = char_tokenizer.decode(out.tokens[out.loss_mask & (out.role_ids == i)].tolist())
         want = "".join(t.content + "<|im_end|>" for t in traj.turns if t.role == role)
         assert got == want
@@ -143,19 +145,19 @@ def test_render_rejects_templates_that_rewrite_content(char_tokenizer):
     tok = copy.deepcopy(char_tokenizer)
     tok.chat_template = CHATML.replace("message['content']", "message['content'] | upper")
     with pytest.raises(ValueError, match="changed the content"):
-        data.render(data.parse_record(GOOD), tok)
+        data.render(trajectories.parse_record(GOOD), tok)
     tok.chat_template = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ValueError, match="concatenation"):
-        data.render(data.parse_record(GOOD), tok)
+        data.render(trajectories.parse_record(GOOD), tok)
 
 
 def test_converter_from_function_calling_records(char_tokenizer):
     records = synthetic.generate(60, seed=1)
     for rec in records:
-        traj = data.from_function_calling(rec)
-        assert data.parse_record(data.to_json(traj)) == traj  # valid in the format
+        traj = fc_trajectories.from_function_calling(rec)
+        assert trajectories.parse_record(trajectories.to_json(traj)) == traj  # valid in the format
         roles = [t.role for t in traj.turns]
-        assert traj.turns[0] == data.Turn("user", rec["query"]) and roles[-1] == "summarizer"
+        assert traj.turns[0] == trajectories.Turn("user", rec["query"]) and roles[-1] == "summarizer"
         assert list(traj.functions) == rec["functions"]
         if rec["calls"]:
             assert roles == ["user", "reasoner", "executor", "observation", "reasoner", "summarizer"]
@@ -170,10 +172,10 @@ def test_converter_from_function_calling_records(char_tokenizer):
                 bfcl.decode_calls(traj.turns[2].content)
         rendered = data.render(traj, char_tokenizer)
         assert rendered.loss_mask.any()
-    with pytest.raises(data.DataFormatError, match="calls"):
-        data.from_function_calling({"query": "q", "functions": [{"name": "f"}], "calls": [{"g": {}}]})
-    with pytest.raises(data.DataFormatError, match="query"):
-        data.from_function_calling({"functions": [], "calls": []})
+    with pytest.raises(trajectories.DataFormatError, match="calls"):
+        fc_trajectories.from_function_calling({"query": "q", "functions": [{"name": "f"}], "calls": [{"g": {}}]})
+    with pytest.raises(trajectories.DataFormatError, match="query"):
+        fc_trajectories.from_function_calling({"functions": [], "calls": []})
 
 
 @pytest.mark.gguf
@@ -185,7 +187,7 @@ def test_render_with_smollm2_tokenizer(smollm2_path):
     from morse_jax.models.loading import load_tokenizer
 
     tok = load_tokenizer(smollm2_path)
-    traj = data.from_function_calling(synthetic.generate(3, seed=2)[2])
+    traj = fc_trajectories.from_function_calling(synthetic.generate(3, seed=2)[2])
     out = data.render(traj, tok)
     text = tok.apply_chat_template(data.chat_messages(traj), tokenize=False)
     assert out.tokens.tolist() == tok(text, add_special_tokens=False)["input_ids"]
@@ -197,7 +199,7 @@ def test_render_with_smollm2_tokenizer(smollm2_path):
     start = max(i for i, t in enumerate(prompt) if t == tok.convert_tokens_to_ids("<|im_start|>"))
     assert (out.role_ids[start:len(prompt)] == 0).all() and out.role_ids[start - 1] == -1
     assert not out.loss_mask[:len(prompt)].any()
-    for i, role in enumerate(data.ROLE_NAMES):
+    for i, role in enumerate(trajectories.ROLE_NAMES):
         got = tok.decode(out.tokens[out.loss_mask & (out.role_ids == i)].tolist())
         assert got == "".join(t.content + "<|im_end|>" for t in traj.turns if t.role == role)
     assert (out.role_ids[~out.loss_mask] >= 0).any()  # role-turn headers carry the role, untrained

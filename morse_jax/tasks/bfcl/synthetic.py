@@ -21,7 +21,7 @@ Records are plain single-turn function-calling records::
     {"id": "synthetic-0", "scenario": "simple", "query": "...", "functions": [...],
      "calls": [{"name": {"param": value}}]}
 
-``morse_jax.sft.data.from_function_calling`` turns them into multi-role trajectories.
+``morse_jax.tasks.bfcl.trajectories.from_function_calling`` turns them into multi-role trajectories.
 """
 
 from __future__ import annotations
@@ -271,12 +271,13 @@ def catalogue_names(seed: int = 0) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m morse_jax.tasks.bfcl.synthetic --n 5000 --seed 0 --out train.jsonl [--plain]``:
-    write the generated set as multi-role trajectories (morse_jax.sft.data's format), or with
+    write the generated set as multi-role trajectories (morse_jax.tasks.trajectories' format), or with
     ``--plain`` as the plain function-calling records."""
     import argparse
     import json
 
-    from morse_jax.sft import data
+    from morse_jax.tasks.bfcl.trajectories import from_function_calling
+    from morse_jax.tasks.trajectories import write_jsonl
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--n", type=int, default=5000)
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
     else:
-        data.write_jsonl(args.out, [data.from_function_calling(r) for r in records])
+        write_jsonl(args.out, [from_function_calling(r) for r in records])
     print(f"wrote {len(records)} records to {args.out}")
 
 

@@ -1,0 +1,69 @@
+"""Plain single-turn function-calling records -> MoRAgent multi-role trajectories (rule-based).
+
+The records are BFCL-style ``{"query", "functions", "calls"}`` (e.g. :mod:`~morse_jax.tasks.bfcl.synthetic`);
+the executor turn uses BFCL's call syntax (:func:`~morse_jax.tasks.bfcl.prompting.format_calls`).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any, Mapping
+
+from morse_jax.tasks.bfcl.prompting import format_calls  # the answer syntax BFCL's decoder reads
+from morse_jax.tasks.trajectories import DataFormatError, Trajectory, Turn
+
+DEFAULT_SYSTEM = ("You are a function-calling agent made of three roles. The reasoner reads the request and "
+                  "what happened so far, thinks, and ends with 'Next: executor.' or 'Next: summarizer.'. The "
+                  "executor answers only with function calls in the format [func_name(param=value, ...)]. The "
+                  "summarizer gives the user the final answer.")
+
+
+
+def _args_text(args: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in args.items()) or "no arguments"
+
+
+def from_function_calling(record: Mapping[str, Any], *, system: str = DEFAULT_SYSTEM) -> Trajectory:
+    """A plain single-turn function-calling record ``{"query", "functions", "calls"}`` (calls as
+    ``[{name: {param: value}}]``, ``[]`` when no offered function applies) -> a multi-role trajectory.
+
+    The paper completes thoughts and summaries with GPT-4o and grades them with DeepSeek-V3; those
+    completions are not available offline, so every role turn here is templated from the reference
+    calls: the reasoner names the calls and the next role, the executor makes exactly the reference
+    calls (BFCL's ``[func(param=value)]`` syntax), the observation reports a success per call, the
+    reasoner then hands over to the summarizer, which restates what was done. With no call, the
+    reasoner explains that no offered function applies and goes straight to the summarizer, which
+    declines. The template variant is chosen by a hash of the query (deterministic).
+    """
+    for key in ("query", "functions", "calls"):
+        if key not in record:
+            raise DataFormatError(f"{key}: missing from the function-calling record")
+    query, functions, calls = record["query"], list(record["functions"]), list(record["calls"])
+    offered = {f["name"] for f in functions}
+    for c in calls:
+        if len(c) != 1 or next(iter(c)) not in offered:
+            raise DataFormatError(f"calls: {c!r} is not one call of an offered function")
+    v = zlib.crc32(query.encode()) % 2
+    turns = [Turn("user", query)]
+    if calls:
+        plan = "; ".join(f"{name} with {_args_text(args)}" for c in calls for name, args in c.items())
+        n = len(calls)
+        what = "one call" if n == 1 else f"{n} calls"
+        thought = (f"The request maps to {what}: {plan}. Every required value is stated, so the executor should "
+                   f"make {'it' if n == 1 else 'them'}. Next: executor." if v == 0 else
+                   f"I need {what} here: {plan}. The arguments come straight from the request. Next: executor.")
+        obs = json.dumps([{"function": name, "status": "ok"} for c in calls for name in c])
+        done = ", ".join(f"{name} ({_args_text(args)})" for c in calls for name, args in c.items())
+        turns += [Turn("reasoner", thought), Turn("executor", format_calls(calls)), Turn("observation", obs),
+                  Turn("reasoner", "The calls succeeded, so the request is done. Next: summarizer." if n > 1 else
+                       "The call succeeded, so the request is done. Next: summarizer."),
+                  Turn("summarizer", f"Done. I ran {done}." if v == 0 else f"All set: I called {done}.")]
+    else:
+        names = ", ".join(sorted(offered)) or "none"
+        turns += [Turn("reasoner", f"None of the available functions ({names}) can do what the user asks, so no "
+                                   "call should be made. Next: summarizer."),
+                  Turn("summarizer", "I can't do that with the functions available here; none of them covers "
+                                     "this request.")]
+    return Trajectory(turns=tuple(turns), functions=tuple(functions), system=system,
+                      id=str(record.get("id", "")))

@@ -6,7 +6,7 @@ in the process that runs a candidate: that process is the candidate's, and it ca
 whose ``==`` lies, or print a forged report. So a verifier built on this module works in two
 halves:
 
-* **in the sandbox** (:data:`_RUNNER`): run the program, then each *case* (a piece of code that
+* **in the sandbox** (:data:`RUNNER_SOURCE`): run the program, then each *case* (a piece of code that
   calls ``__record__(site, *values)``); every recorded value is converted at once to the
   data-only :mod:`~morse_jax.tasks.sandbox.wire_format` and reported on one nonce-tagged stdout line per
   case. No expected value is ever written into the run directory.
@@ -34,12 +34,12 @@ from typing import Any, Callable, Sequence
 
 from morse_jax.tasks.sandbox import runner as sandbox, wire_format
 
-__all__ = ["CaseRecord", "CaseResult", "RecordLimits", "RecordedRun", "check_outputs", "equal_values",
+__all__ = ["RUNNER_SOURCE", "CaseRecord", "CaseResult", "RecordLimits", "RecordedRun", "check_outputs", "equal_values",
            "parse_recorded", "recorded_job", "run_recorded"]
 
 # Runs inside the sandbox. Files: program.py, job.json, morse_wire.py (the wire format), and
 # prelude.py (trusted helper definitions for the cases' namespace, may be empty).
-_RUNNER = r'''
+RUNNER_SOURCE = r'''
 import json, os, signal, sys, traceback
 import morse_wire
 
@@ -141,7 +141,7 @@ def recorded_job(program: str, cases: Sequence[str], limits: RecordLimits, *, pr
            "shared": bool(shared_namespace), "module_name": module_name}
     files = {"program.py": program, "job.json": json.dumps(job), "morse_wire.py": wire_format.SOURCE,
              "prelude.py": prelude}
-    return sandbox.Job(_RUNNER, files=files, timeout_s=limits.timeout_s, memory_mb=limits.memory_mb,
+    return sandbox.Job(RUNNER_SOURCE, files=files, timeout_s=limits.timeout_s, memory_mb=limits.memory_mb,
                        max_output_bytes=limits.max_output_bytes), nonce
 
 

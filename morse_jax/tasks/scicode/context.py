@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import re
 
-from morse_jax.tasks.scicode.data import Problem, SciCodeDataError, _header_def
+from morse_jax.tasks.scicode.data import Problem, SciCodeDataError, header_def
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PY_TAGS = ("", "python", "py", "python3")
@@ -82,7 +82,7 @@ def check_gate(code: str, function_header: str) -> str | None:
         return f"the code does not parse: SyntaxError: {e.msg} (line {e.lineno}: `{line[:80]}`)"
     except ValueError as e:  # e.g. null bytes
         return f"the code does not parse: {e}"
-    want = _header_def(function_header)
+    want = header_def(function_header)
     kind = "class" if isinstance(want, ast.ClassDef) else "def"
     tops = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                           ast.ClassDef))}

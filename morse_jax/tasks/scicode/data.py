@@ -8,7 +8,7 @@ scoring, so loading data never imports the sandbox.
   ground-truth code, ``package:all`` = 65 without) or any JSONL file in that format (the MoRSE
   splits, :data:`SPLITS`). Steps without tests (13.6, 62.1, 76.3) carry code supplied by the
   benchmark; they are not plan nodes, their code is put into the downstream context.
-* Function headers are parsed here (:func:`_header_def`) because a record whose header does not
+* Function headers are parsed here (:func:`header_def`) because a record whose header does not
   parse is rejected at load time; the gate in :mod:`~morse_jax.tasks.scicode.context` reuses it.
 """
 
@@ -19,12 +19,9 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from morse_jax.tasks.base import Task
-
-if TYPE_CHECKING:  # an annotation only: scicode_targets imports this module
-    from morse_jax.tasks.scicode.targets import TargetSource
 
 PACKAGE_SOURCES = {"package:dev": "problems_dev.jsonl", "package:all": "problems_all.jsonl"}
 # The authors' split files by role: their scripts TRAIN on mytest (60) and TEST on mydev (20).
@@ -59,7 +56,7 @@ class Step:
 
     @property
     def function_name(self) -> str:
-        return _header_def(self.function_header).name
+        return header_def(self.function_header).name
 
     @property
     def testable(self) -> bool:
@@ -140,7 +137,7 @@ def _parse_step(rec: Any, where: str, supplied_dir: Path | None) -> Step:
             raise SciCodeDataError(f"{where}: test_cases[{j}] must be str, got {type(t).__name__}")
     header = _field(rec, "function_header", where)
     try:
-        _header_def(header)
+        header_def(header)
     except ValueError as e:
         raise SciCodeDataError(f"{where}: field 'function_header': {e}") from None
     gt = _field(rec, "ground_truth_code", where, optional=True)
@@ -228,25 +225,13 @@ def problem_to_task(problem: Problem) -> Task:
     return Task(problem.problem_id, problem.description, "scicode", problem)
 
 
-def summarize(problems: Sequence[Problem], targets: "TargetSource | None" = None) -> dict[str, int]:
-    """Counts of problems / testable steps / tests, and how many of them ``targets`` can score."""
-    steps = [(p, s) for p in problems for s in p.testable_steps]
-    out = {"problems": len(problems), "steps": len(steps),
-           "tests": sum(len(s.test_cases) for _, s in steps),
-           "problems_with_ground_truth": sum(p.has_ground_truth for p in problems)}
-    if targets is not None:
-        ok = [(p, s) for p, s in steps if targets.can_score(p, s)]
-        out.update(scorable_steps=len(ok), scorable_tests=sum(len(s.test_cases) for _, s in ok),
-                   scorable_problems=sum(all(targets.can_score(p, s) for s in p.testable_steps)
-                                         for p in problems))
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # Function headers
 
 
-def _header_def(header: str) -> ast.FunctionDef | ast.ClassDef:
+def header_def(header: str) -> ast.FunctionDef | ast.ClassDef:
+    """The one function or class a step's header defines (a bare header gets a ``pass`` body to
+    parse); raises ValueError when it does not parse or defines none or several."""
     try:
         tree = ast.parse(header)
     except SyntaxError:

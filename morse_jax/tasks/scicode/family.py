@@ -48,12 +48,12 @@ from morse_jax.tasks.scicode.context import (check_gate, context_code, extract_c
                                           split_program)
 from morse_jax.tasks.scicode.data import (PACKAGE_SOURCES, SLOW_STEPS, SPLITS, Problem, SciCodeDataError, Step,
                                           load_problems, load_split, package_data_dir, problem_to_task,
-                                          split_path, summarize)
+                                          split_path)
 from morse_jax.tasks.scicode.compare import SplitTest, TestRewriteError, check_test, recorded_target, split_test
-from morse_jax.tasks.scicode.harness import (HARNESS_VERSION, ExecLimits, StepReport, _prepare_test, _report,
-                                             _step_job, prepared_tests, run_step_tests, step_program)
+from morse_jax.tasks.scicode.harness import (HARNESS_VERSION, ExecLimits, StepReport, prepared_tests,
+                                             run_step_tests, step_job, step_program, step_report)
 from morse_jax.tasks.scicode.targets import (H5Targets, RebuiltTargets, TargetRebuildError, TargetSource,
-                                             default_cache_dir)
+                                             default_cache_dir, summarize)
 from morse_jax.tasks.plan import Plan, PlanNode, step_chain_plan
 
 
@@ -222,18 +222,18 @@ class SciCodeFamily:
             targets = self.targets.step_targets(problem, step)
             results = sandbox.run_many([j for j, _ in jobs], max_workers=max_workers, isolate_failures=True)
             for i, (_, nonce), res in zip(waiting, jobs, results):
-                out[i] = self._result(_report(res, nonce, tests, targets))
+                out[i] = self._result(step_report(res, nonce, tests, targets))
         return out
 
     def _job(self, problem: Problem, step: Step, artifact: str):
         tests = prepared_tests(step.test_cases, f"step {step.step_id} ")
-        return _step_job(step_program(problem, artifact), tests, self.limits)
+        return step_job(step_program(problem, artifact), tests, self.limits)
 
     def score(self, problem: Problem, step: Step, artifact: str) -> StepReport:
         """Run the step's unit tests on an artifact (no gate); for evaluation and debugging."""
         job, nonce = self._job(problem, step, artifact)
         tests = prepared_tests(step.test_cases, f"step {step.step_id} ")
-        return _report(sandbox.run_python(**dataclasses.asdict(job)), nonce, tests,
+        return step_report(sandbox.run_python(**dataclasses.asdict(job)), nonce, tests,
                        self.targets.step_targets(problem, step))
 
 

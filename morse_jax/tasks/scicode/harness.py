@@ -14,22 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from typing import Any, Sequence
 
 from morse_jax.tasks.sandbox import record as sandbox_record, runner as sandbox, wire_format
 from morse_jax.tasks.scicode.compare import (HELPERS_SOURCE, SplitTest, TestRewriteError, check_test,
                                              recorded_target, split_test)
 from morse_jax.tasks.scicode.data import Problem
-
-_SCICODE_IMPORT = re.compile(r"^([ \t]*)(from[ \t]+scicode[\w.]*[ \t]+import[^\n]*|import[ \t]+scicode[^\n]*)$",
-                             re.MULTILINE)
-
-
-def _prepare_test(code: str) -> str:
-    # The harness defines SciCode's comparison helpers itself; its package need not be importable.
-    return _SCICODE_IMPORT.sub(lambda m: m.group(1) + "pass", code)
-
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
@@ -67,14 +57,15 @@ class ExecLimits:
     max_output_bytes: int = 64 << 20  # the recorded values travel on stdout
 
 
-def _step_job(program: str, tests: Sequence[SplitTest], limits: ExecLimits) -> tuple[sandbox.Job, str]:
+def step_job(program: str, tests: Sequence[SplitTest], limits: ExecLimits) -> tuple[sandbox.Job, str]:
+    """The sandbox job running ``program`` then each test's sandbox half, and its report nonce."""
     return sandbox_record.recorded_job(
         program, [t.sandbox_code for t in tests], sandbox_record.RecordLimits(
             limits.timeout_s, limits.test_timeout_s, limits.memory_mb, limits.max_output_bytes),
         prelude=HELPERS_SOURCE, shared_namespace=True, module_name="__scicode__")
 
 
-def _report(res: sandbox.SandboxResult, nonce: str, tests: Sequence[SplitTest],
+def step_report(res: sandbox.SandboxResult, nonce: str, tests: Sequence[SplitTest],
             targets: Sequence[Any] | None, where: str = "") -> StepReport:
     """Decode the sandbox's recorded values and decide each test here (``targets=None``:
     rebuild the targets from them instead, see :func:`recorded_target`)."""
@@ -102,8 +93,8 @@ def run_step_tests(program: str, tests: Sequence[SplitTest], limits: ExecLimits,
                    targets: Sequence[Any] | None = None, where: str = "") -> StepReport:
     """Run ``program`` then each test's sandbox half; decide the tests here against ``targets``
     (with ``targets=None``: rebuild the targets from the recorded values instead)."""
-    job, nonce = _step_job(program, tests, limits)
-    return _report(sandbox.run_python(**dataclasses.asdict(job)), nonce, tests, targets, where)
+    job, nonce = step_job(program, tests, limits)
+    return step_report(sandbox.run_python(**dataclasses.asdict(job)), nonce, tests, targets, where)
 
 
 def step_program(problem: Problem, artifact: str) -> str:
@@ -117,5 +108,5 @@ def prepared_tests(tests: Sequence[str], where: str) -> list[SplitTest]:
 
 
 # Changes whenever what a run records changes: keys the rebuilt-target cache.
-HARNESS_VERSION = hashlib.sha256("\0".join([sandbox_record._RUNNER, HELPERS_SOURCE, wire_format.SOURCE,
+HARNESS_VERSION = hashlib.sha256("\0".join([sandbox_record.RUNNER_SOURCE, HELPERS_SOURCE, wire_format.SOURCE,
                                             "split-v1"]).encode()).hexdigest()[:12]

@@ -17,7 +17,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 from morse_jax.tasks.scicode.context import gold_upstream, join_program
 from morse_jax.tasks.scicode.data import Problem, Step
@@ -174,3 +174,17 @@ class RebuiltTargets:
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def summarize(problems: Sequence[Problem], targets: TargetSource | None = None) -> dict[str, int]:
+    """Counts of problems / testable steps / tests, and how many of them ``targets`` can score."""
+    steps = [(p, s) for p in problems for s in p.testable_steps]
+    out = {"problems": len(problems), "steps": len(steps),
+           "tests": sum(len(s.test_cases) for _, s in steps),
+           "problems_with_ground_truth": sum(p.has_ground_truth for p in problems)}
+    if targets is not None:
+        ok = [(p, s) for p, s in steps if targets.can_score(p, s)]
+        out.update(scorable_steps=len(ok), scorable_tests=sum(len(s.test_cases) for _, s in ok),
+                   scorable_problems=sum(all(targets.can_score(p, s) for s in p.testable_steps)
+                                         for p in problems))
+    return out

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from morse_jax.tasks.sandbox import isolation as sandbox_isolation, runner as sandbox
+from morse_jax.tasks.sandbox import isolation as sandbox_isolation, process as sandbox_process, runner as sandbox
 from morse_jax.tasks.sandbox.runner import Job, run_many, run_python
 
 # Expected here: the venv's interpreter (pyenv under a 0700 /root) cannot run under a dropped uid,
@@ -343,7 +343,7 @@ def test_processes_escaping_the_session_are_killed(isolation):
 
 @needs_uid_drop_fallback
 def test_fallback_drops_uid_and_limits_processes():
-    assert sandbox._drop_uid_ok(SYSTEM_PY)
+    assert sandbox_process.drop_uid_ok(SYSTEM_PY)
     code = ("import os, time\n"
             "print(os.getuid(), os.geteuid(), os.getgroups())\n"
             "n = 0\n"
@@ -366,7 +366,7 @@ def test_fallback_drops_uid_and_limits_processes():
 
 
 def test_auto_mode_falls_back_with_one_warning(monkeypatch):
-    # the probe cache lives where _cached reads it
+    # the probe cache lives where cached_probe reads it
     monkeypatch.setattr(sandbox_isolation, "_cache", {("bwrap", sys.executable): (False, "probe says no")})
     with pytest.warns(RuntimeWarning, match="probe says no"):
         r = run_python("print(6 * 7)")

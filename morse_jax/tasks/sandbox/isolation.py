@@ -2,15 +2,17 @@
 
 Split out of :mod:`morse_jax.tasks.sandbox.runner` (one concept per module; the policy and its
 limitations are described there). Everything here *prepares* a run and starts no sandboxed
-program; :mod:`~morse_jax.tasks.sandbox.process` runs one.
+program; :mod:`~morse_jax.tasks.sandbox.process` runs one. The names without an underscore are
+this package's internal API, used by ``process`` and ``runner``; code outside the package calls
+the runner.
 
-* :class:`_Limits` -> the rlimits set in the forked child (:func:`_preexec`).
-* :func:`_child_env`: the minimal environment (no inherited secrets, tokens or proxies).
-* :func:`_bwrap_argv`: the bubblewrap command line: a minimal filesystem view (system
-  libraries, the interpreter's prefixes and site-packages as discovered by :func:`_interp_info`,
+* :class:`Limits` -> the rlimits set in the forked child (:func:`rlimits_preexec`).
+* :func:`child_env`: the minimal environment (no inherited secrets, tokens or proxies).
+* :func:`bwrap_argv`: the bubblewrap command line: a minimal filesystem view (system
+  libraries, the interpreter's prefixes and site-packages as discovered by :func:`interp_info`,
   fresh /dev and /proc, the run directory as ``/tmp``, nothing else of the host), no network.
-* Per-run uids from ``UID_POOL``, each held through a lock file (:func:`_acquire_uid`), and
-  killed as a whole after the run (:func:`_kill_uid`).
+* Per-run uids from ``UID_POOL``, each held through a lock file (:func:`acquire_uid`), and
+  killed as a whole after the run (:func:`kill_uid`).
 * ``_cache``: probe results per interpreter and the warnings already given (process-wide state;
   tests that reset it patch it here).
 """
@@ -47,7 +49,7 @@ Kind = Literal["bwrap", "rlimits"]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Limits:
+class Limits:
     timeout_s: float
     memory_mb: int
     max_processes: int
@@ -72,7 +74,7 @@ class _Limits:
         return out
 
 
-def _preexec(rlimits: list[tuple[int, int, int]]) -> Callable[[], None]:
+def rlimits_preexec(rlimits: list[tuple[int, int, int]]) -> Callable[[], None]:
     # Runs in the forked child: plain setrlimit calls only, nothing that could wait on a lock
     # another thread of the parent held at fork time.
     def apply() -> None:
@@ -81,7 +83,7 @@ def _preexec(rlimits: list[tuple[int, int, int]]) -> Callable[[], None]:
     return apply
 
 
-def _child_env(python: str, home: str, tmp: str) -> dict[str, str]:
+def child_env(python: str, home: str, tmp: str) -> dict[str, str]:
     return {
         "PATH": os.pathsep.join([os.path.dirname(python), "/usr/local/bin", "/usr/bin", "/bin"]),
         "HOME": home, "TMPDIR": tmp, "LANG": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox",
@@ -95,7 +97,7 @@ _cache_lock = threading.Lock()
 _cache: dict[tuple, Any] = {}  # probe results per interpreter, and which warnings were given
 
 
-def _cached(key: tuple, compute: Callable[[], Any]) -> Any:
+def cached_probe(key: tuple, compute: Callable[[], Any]) -> Any:
     with _cache_lock:
         if key in _cache:
             return _cache[key]
@@ -104,7 +106,7 @@ def _cached(key: tuple, compute: Callable[[], Any]) -> Any:
         return _cache.setdefault(key, value)
 
 
-def _warn_once(key: str, message: str) -> None:
+def warn_once(key: str, message: str) -> None:
     with _cache_lock:
         first = ("warned", key) not in _cache
         _cache[("warned", key)] = True
@@ -127,7 +129,7 @@ class _Interp:
     hidden: tuple[str, ...]  # inside ``needed`` but not on its path: a base site-packages
 
 
-def _interp_info(python: str) -> _Interp:
+def interp_info(python: str) -> _Interp:
     """What the interpreter needs to run, from running it as ourselves (discovered, not assumed:
     the venv may live anywhere, e.g. a CI checkout under /tmp)."""
     def compute():
@@ -148,7 +150,7 @@ def _interp_info(python: str) -> _Interp:
         on_path = {os.path.realpath(p) for p in sys_path if p}
         hidden = sorted({os.path.realpath(p) for p in base_site if os.path.isdir(p)} - on_path)
         return _Interp(version, tuple(needed), tuple(hidden))
-    return _cached(("interp", python), compute)
+    return cached_probe(("interp", python), compute)
 
 
 def _is_under(path: str, top: str) -> bool:
@@ -174,10 +176,10 @@ class _View:
         self.made.add(dest)
 
 
-def _bwrap_argv(python: str, tmp: Path, shm: Path, uid: int | None) -> list[str]:
+def bwrap_argv(python: str, tmp: Path, shm: Path, uid: int | None) -> list[str]:
     argv = [shutil.which("bwrap") or "bwrap"]
     view = _View(argv)
-    interp = _interp_info(python)
+    interp = interp_info(python)
     bound = []
     for d in _SYSTEM_DIRS:
         if os.path.islink(d):
@@ -227,7 +229,7 @@ def _bwrap_argv(python: str, tmp: Path, shm: Path, uid: int | None) -> list[str]
 # ----------------------------------------------------------------------------- uid pool
 
 
-def _acquire_uid() -> tuple[int, int]:
+def acquire_uid() -> tuple[int, int]:
     """(uid, lock fd) of a pool uid no other run holds; a crashed holder's leftovers are killed."""
     lock_dir = Path(tempfile.gettempdir()) / f"morse-sandbox-uids-{os.geteuid()}"
     lock_dir.mkdir(mode=0o700, exist_ok=True)
@@ -249,12 +251,12 @@ def _acquire_uid() -> tuple[int, int]:
         except BlockingIOError:
             os.close(fd)
             continue
-        _kill_uid(uid)
+        kill_uid(uid)
         return uid, fd
     raise RuntimeError("sandbox: no free uid left in UID_POOL")
 
 
-def _kill_uid(uid: int) -> None:
+def kill_uid(uid: int) -> None:
     """SIGKILL every process of ``uid``: kill(-1) sent as that uid reaches exactly those."""
     if uid not in UID_POOL or uid == os.getuid():
         raise AssertionError(f"refusing to kill all processes of uid {uid}")

@@ -4,8 +4,10 @@ Split out of :mod:`morse_jax.tasks.sandbox.runner` (one concept per module; the 
 limitations are described there), which re-exports :class:`SandboxResult`. The isolation
 pieces (argv, environment, rlimits, uids) come from :mod:`~morse_jax.tasks.sandbox.isolation`.
 
-The probes that decide which isolation works (:func:`_bwrap_status`, :func:`_drop_uid_ok`,
-:func:`_resolve_mode`) live here because a probe is itself one sandboxed run.
+The probes that decide which isolation works (:func:`bwrap_status`, :func:`drop_uid_ok`,
+:func:`resolve_mode`) live here because a probe is itself one sandboxed run. The names without
+an underscore are this package's internal API, used by :mod:`~morse_jax.tasks.sandbox.runner`;
+code outside the package calls the runner.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Mapping
 
-from morse_jax.tasks.sandbox.isolation import (INNER_WORK, Kind, Mode, _acquire_uid, _bwrap_argv, _cached,
-                                               _child_env, _interp_info, _kill_uid, _Limits, _preexec,
-                                               _warn_once)
+from morse_jax.tasks.sandbox.isolation import (INNER_WORK, Kind, Limits, Mode, acquire_uid, bwrap_argv,
+                                               cached_probe, child_env, interp_info, kill_uid, rlimits_preexec,
+                                               warn_once)
 
 _DRAIN_GRACE_S = 0.5  # wait for pipes still open after the child is gone, then give up
 _CHUNK = 1 << 16
@@ -61,7 +63,7 @@ class SandboxResult:
 # ----------------------------------------------------------------------------- isolation probes
 
 
-def _bwrap_status(python: str) -> tuple[bool, str]:
+def bwrap_status(python: str) -> tuple[bool, str]:
     """(usable, why not): does bwrap (+ setpriv as root) run this interpreter correctly?"""
     def compute():
         if shutil.which("bwrap") is None:
@@ -69,21 +71,21 @@ def _bwrap_status(python: str) -> tuple[bool, str]:
         if os.geteuid() == 0 and shutil.which("setpriv") is None:
             return False, "setpriv not found on PATH (package: util-linux)"
         return _probe("bwrap", python)
-    return _cached(("bwrap", python), compute)
+    return cached_probe(("bwrap", python), compute)
 
 
-def _drop_uid_ok(python: str) -> bool:
+def drop_uid_ok(python: str) -> bool:
     """rlimits mode as root: does the interpreter work unchanged under a pool uid? Not when it
     lives under a 0700 home: the loader then silently falls back to the system's libpython."""
-    return _cached(("drop", python), lambda: _probe("rlimits", python)[0])
+    return cached_probe(("drop", python), lambda: _probe("rlimits", python)[0])
 
 
 def _probe(kind: Kind, python: str) -> tuple[bool, str]:
-    version = _interp_info(python).version
+    version = interp_info(python).version
     main = PurePosixPath("main.py")
     try:
-        res = _run(kind, python, {main: b"import sys; sys.stdout.write(sys.version)"}, main, [],
-                   None, 10_000, _Limits(30.0, 1024, 16, 1, 64), Path(tempfile.gettempdir()),
+        res = run_once(kind, python, {main: b"import sys; sys.stdout.write(sys.version)"}, main, [],
+                   None, 10_000, Limits(30.0, 1024, 16, 1, 64), Path(tempfile.gettempdir()),
                    probing=True)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return False, f"{kind} probe did not start: {e}"
@@ -93,15 +95,15 @@ def _probe(kind: Kind, python: str) -> tuple[bool, str]:
                    f"stderr={res.stderr.strip()[-500:]!r}")
 
 
-def _resolve_mode(mode: Mode, python: str) -> Kind:
+def resolve_mode(mode: Mode, python: str) -> Kind:
     if mode == "rlimits":
         return "rlimits"
-    ok, why = _bwrap_status(python)
+    ok, why = bwrap_status(python)
     if ok:
         return "bwrap"
     if mode == "bwrap":
         raise RuntimeError(f"run_python: mode='bwrap' but bubblewrap is not usable: {why}")
-    _warn_once("fallback", f"sandbox: bubblewrap unusable ({why}); falling back to rlimits: "
+    warn_once("fallback", f"sandbox: bubblewrap unusable ({why}); falling back to rlimits: "
                            "no filesystem or network isolation")
     return "rlimits"
 
@@ -109,22 +111,22 @@ def _resolve_mode(mode: Mode, python: str) -> Kind:
 # ----------------------------------------------------------------------------- one run
 
 
-def _run(kind: Kind, python: str, layout: Mapping[PurePosixPath, bytes], entry: PurePosixPath,
-         args: list[str], stdin: bytes | None, max_output_bytes: int, limits: _Limits, base: Path,
+def run_once(kind: Kind, python: str, layout: Mapping[PurePosixPath, bytes], entry: PurePosixPath,
+             args: list[str], stdin: bytes | None, max_output_bytes: int, limits: Limits, base: Path,
          probing: bool = False) -> SandboxResult:
     # Run root R, removed afterwards: R/tmp is the child's TMPDIR (its /tmp under bwrap),
     # R/tmp/work its cwd and HOME, R/shm its /dev/shm (multiprocessing needs a writable one).
     is_root = os.geteuid() == 0
-    drop = is_root and (kind == "bwrap" or probing or _drop_uid_ok(python))
+    drop = is_root and (kind == "bwrap" or probing or drop_uid_ok(python))
     if is_root and not drop:
-        _warn_once("root", "sandbox: rlimits mode runs the child as root (the interpreter does "
+        warn_once("root", "sandbox: rlimits mode runs the child as root (the interpreter does "
                            "not work under an unprivileged uid): no process limit applies")
     if drop and kind == "rlimits":
         for d in [base, *base.parents]:  # the child resolves its cwd's absolute path
             if not os.stat(d).st_mode & stat.S_IXOTH:
                 raise ValueError(f"run_python: base_dir {str(base)!r} is not reachable by an "
                                  f"unprivileged uid ({str(d)!r} lacks o+x)")
-    uid, lock_fd = _acquire_uid() if drop else (None, None)
+    uid, lock_fd = acquire_uid() if drop else (None, None)
     try:
         run_root = Path(tempfile.mkdtemp(prefix="morse-sbx-", dir=base))
         try:
@@ -144,10 +146,10 @@ def _run(kind: Kind, python: str, layout: Mapping[PurePosixPath, bytes], entry: 
             os.chmod(run_root, 0o755)
             py_argv = [python, "-s", str(entry), *args]  # relative: cwd is the work dir
             if kind == "bwrap":
-                argv = _bwrap_argv(python, tmp, shm, uid) + py_argv
-                env, cwd, ids = _child_env(python, INNER_WORK, "/tmp"), "/", {}
+                argv = bwrap_argv(python, tmp, shm, uid) + py_argv
+                env, cwd, ids = child_env(python, INNER_WORK, "/tmp"), "/", {}
             else:
-                argv, env, cwd = py_argv, _child_env(python, str(work), str(tmp)), str(work)
+                argv, env, cwd = py_argv, child_env(python, str(work), str(tmp)), str(work)
                 ids = {} if uid is None else dict(user=uid, group=uid, extra_groups=[])
             return _spawn_and_wait(argv, env, cwd, ids, limits.rlimits(with_nproc=uid is not None),
                                    stdin, limits.timeout_s, max_output_bytes, kind, uid)
@@ -177,7 +179,7 @@ def _spawn_and_wait(argv, env, cwd, ids, rlimits, stdin, timeout_s, limit, kind,
     proc = subprocess.Popen(
         argv, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd, close_fds=True,
-        start_new_session=True, preexec_fn=_preexec(rlimits), **ids)
+        start_new_session=True, preexec_fn=rlimits_preexec(rlimits), **ids)
     pump, wall_timeout = None, False
     try:
         pump = _Pump(proc, stdin, limit)
@@ -190,7 +192,7 @@ def _spawn_and_wait(argv, env, cwd, ids, rlimits, stdin, timeout_s, limit, kind,
         except (ProcessLookupError, PermissionError):
             pass
         if uid is not None:
-            _kill_uid(uid)  # stragglers that left the group (setsid) and may hold our pipes
+            kill_uid(uid)  # stragglers that left the group (setsid) and may hold our pipes
         if pump is not None:
             pump.drain(time.monotonic() + _DRAIN_GRACE_S)
         rc = proc.wait()

@@ -56,8 +56,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping, Sequence
 
-from morse_jax.tasks.sandbox.isolation import INNER_WORK, UID_POOL, Kind, Mode, _Limits
-from morse_jax.tasks.sandbox.process import SandboxResult, _bwrap_status, _drop_uid_ok, _resolve_mode, _run
+from morse_jax.tasks.sandbox.isolation import INNER_WORK, UID_POOL, Kind, Limits, Mode  # noqa: F401 (documented here)
+from morse_jax.tasks.sandbox.process import SandboxResult, bwrap_status, resolve_mode, run_once
 
 __all__ = ["Job", "SandboxResult", "probe_sandbox", "run_many", "run_python"]
 
@@ -158,7 +158,7 @@ def _execute_isolated(job: Job) -> SandboxResult:
 
 def probe_sandbox(python: str | None = None) -> Kind:
     """The isolation ``mode="auto"`` gives for this interpreter (probed once, then cached)."""
-    return "bwrap" if _bwrap_status(_check_python(python))[0] else "rlimits"
+    return "bwrap" if bwrap_status(_check_python(python))[0] else "rlimits"
 
 
 # ----------------------------------------------------------------------------- validation
@@ -246,8 +246,8 @@ def _execute(job: Job) -> SandboxResult:
     base = Path(tempfile.gettempdir() if job.base_dir is None else job.base_dir)
     if not base.is_dir():
         raise ValueError(f"run_python: base_dir {str(base)!r} is not a directory")
-    kind = _resolve_mode(job.mode, python)
-    limits = _Limits(job.timeout_s, job.memory_mb, job.max_processes, job.file_size_mb,
+    kind = resolve_mode(job.mode, python)
+    limits = Limits(job.timeout_s, job.memory_mb, job.max_processes, job.file_size_mb,
                      job.max_open_files)
-    return _run(kind, python, layout, entry, list(job.args), stdin, job.max_output_bytes, limits,
+    return run_once(kind, python, layout, entry, list(job.args), stdin, job.max_output_bytes, limits,
                 base.resolve())

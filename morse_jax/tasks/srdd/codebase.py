@@ -6,7 +6,7 @@ An execute node writes the *whole* codebase so far, ChatDev style: a file name l
 fenced block. :func:`materialise_codebase` (lenient: models vary the format) turns a completion
 into ``{relative path: source}``; :func:`serialise_codebase` writes the canonical text that
 artifacts travel in between nodes, which :func:`materialise_codebase` reads back unchanged.
-File names are checked (:func:`_clean_filename`): no absolute paths, no ``..``.
+File names are checked (:func:`clean_filename`): no absolute paths, no ``..``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _FIRST_LINE_NAME = re.compile(rf"^\s*#\s*(?:file(?:name)?\s*:\s*)?(?P<name>{_FIL
 _DECOR = " \t*`'\"#>-_:"
 
 
-def _clean_filename(raw: str) -> str | None:
+def clean_filename(raw: str) -> str | None:
     """A safe relative path or None: no absolute paths, no '..', plain characters only."""
     name = raw.strip().strip(_DECOR).replace("\\", "/")
     while name.startswith("./"):
@@ -43,7 +43,7 @@ def _name_from_info(info: str) -> tuple[str, str | None]:
     toks = [t.strip("\"'{}") for t in toks]
     lang, name = "", None
     for i, t in enumerate(toks):
-        clean = _clean_filename(t)
+        clean = clean_filename(t)
         if clean is not None and name is None:
             name = clean
         elif i == 0:
@@ -59,14 +59,14 @@ def _name_from_line(line: str) -> str | None:
         return None
     s = re.sub(r"^(?:#+|\d+[.)]|[-*+])\s*", "", s)  # heading / list marker
     bare = re.sub(r"^(?:file(?:name)?|path)\s*:\s*", "", s.strip(_DECOR), flags=re.I).strip(_DECOR)
-    if _clean_filename(bare) is not None:
-        return _clean_filename(bare)
+    if clean_filename(bare) is not None:
+        return clean_filename(bare)
     quoted = re.findall(rf"[`*]+({_FILE_TOKEN})[`*]+", s)
     if len(quoted) == 1:
-        return _clean_filename(quoted[0])
+        return clean_filename(quoted[0])
     found = _FILE_ANYWHERE.findall(s)
     if s.endswith(":") and len(found) == 1 and found[0].endswith(".py"):
-        return _clean_filename(found[0])
+        return clean_filename(found[0])
     return None
 
 
@@ -122,7 +122,7 @@ def parse_codebase(completion: str) -> tuple[dict[str, str], list[str]]:
         if name is None:
             first = next((b for b in body if b.strip()), "")
             fm = _FIRST_LINE_NAME.match(first)
-            name = _clean_filename(fm["name"]) if fm else None
+            name = clean_filename(fm["name"]) if fm else None
         prev_text = None
         if name is not None:
             if name in files:
@@ -176,7 +176,7 @@ def serialise_codebase(files: Mapping[str, str]) -> str:
     normalised to end with exactly one newline)."""
     out = []
     for name in sorted(files, key=lambda f: (f != "main.py", f)):
-        if _clean_filename(name) != name:
+        if clean_filename(name) != name:
             raise ValueError(f"files: {name!r} is not a safe relative file name")
         src = files[name].rstrip("\n")
         runs = [len(r) for r in re.findall(r"^ *(`{3,})", src, flags=re.M)]

@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 from morse_jax.tasks.base import VerifyResult
 from morse_jax.tasks.srdd.analysis import codebase_text, completeness, find_placeholders, lexical_cosine
-from morse_jax.tasks.srdd.codebase import _clean_filename
+from morse_jax.tasks.srdd.codebase import clean_filename
 
 
 # ============================================================================ running
@@ -52,7 +52,7 @@ def _precheck(files: Mapping[str, str]) -> RunOutcome | None:
     if "main.py" not in files:
         return RunOutcome(False, "no_main", "no main.py entry point in the codebase"
                           + (f" (files: {', '.join(sorted(files))})" if files else " (no code found)"))
-    bad = [f for f in files if _clean_filename(f) != f]
+    bad = [f for f in files if clean_filename(f) != f]
     if bad:
         return RunOutcome(False, "invalid", f"unsafe file names {bad}")
     try:  # compiling never runs the code; deep nesting can exhaust the parser, hence the extras

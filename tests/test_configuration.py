@@ -193,7 +193,7 @@ def test_srdd_planner_hint_reaches_the_planner_prompt(tmp_path):
     from morse_jax.tasks.registry import build_family
     from morse_jax.tomas.orchestrator import Orchestrator
     from morse_jax.tasks.srdd.family import SOFTWARE_PROJECT_HINT
-    from morse_jax.tomas.trace import OrchestratorConfig
+    from morse_jax.tomas.config import OrchestratorConfig
 
     fam = build_family(_with(defaults(), "data.family", "srdd"), tmp_path)
     seen = []

@@ -7,7 +7,7 @@ import pytest
 from morse_jax.config.validate import ConfigError, validate_config
 from morse_jax.config.defaults import get_config
 from morse_jax.run.build import orchestrator_config
-from morse_jax.tomas.trace import SamplingSettings
+from morse_jax.tomas.config import SamplingSettings
 
 
 def _cfg(**rollout):

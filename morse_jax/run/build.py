@@ -36,7 +36,8 @@ from morse_jax.rl.update import Trainer, TrainConfig, init_trainable
 from morse_jax.sampling.sampler import Sampler
 from morse_jax.tasks.base import Task, VerifyResult
 from morse_jax.tomas.orchestrator import Orchestrator
-from morse_jax.tomas.trace import OrchestratorConfig, RouteDraw, RunResult, SamplingSettings
+from morse_jax.tomas.config import OrchestratorConfig, SamplingSettings
+from morse_jax.tomas.trace import RouteDraw, RunResult
 from morse_jax.run.metrics_log import MetricsWriter
 
 log = logging.getLogger("morse_jax.run.build")

@@ -40,6 +40,14 @@ from morse_jax.tomas.planner.prompts import (PLACEHOLDER_DESCRIPTION, GenerateFn
 from morse_jax.tomas.planner.validate import (DEPENDS_ALIASES, NODE_LIST_ALIASES, PlanValidationError,
                                               validate_plan)
 
+__all__ = [  # defined here, then re-exported from the modules this one is built from
+    "single_node_plan", "plan_task", "load_plan_file", "render_plan",
+    "planner_messages", "replan_messages", "GenerateFn", "Message",
+    "extract_json_object", "PlanParseError",
+    "validate_plan", "PlanValidationError", "NODE_LIST_ALIASES", "DEPENDS_ALIASES",
+    "infer_dependencies_messages", "parse_inferred_dependencies", "plan_with_fixed_nodes",
+]
+
 logger = logging.getLogger("morse_jax.planner")
 
 

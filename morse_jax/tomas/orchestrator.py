@@ -60,6 +60,9 @@ __all__ = ["SamplingSettings", "OrchestratorConfig", "Orchestrator", "RouteDraw"
            "render_trace", "check_plan", "MODES", "ADAPTER_MODES", "MERGE_MODES"]
 
 
+_DEFAULT_CONFIG = OrchestratorConfig()  # frozen: one shared default instance
+
+
 class Orchestrator:
     """Runs tasks through plan -> batched waves of merge/execute calls -> verification.
 
@@ -76,7 +79,7 @@ class Orchestrator:
 
     def __init__(self, families: Mapping[str, TaskFamily], spec: ExpertBankSpec | None,
                  generate_fn: GenerateFn, route_fn: RouteFn | None, encode_fn: EncodeFn,
-                 config: OrchestratorConfig = OrchestratorConfig(),
+                 config: OrchestratorConfig = _DEFAULT_CONFIG,
                  verify_collective: Callable[[Callable[[], list]], list] | None = None):
         if not isinstance(config, OrchestratorConfig):
             raise ValueError(f"config must be an OrchestratorConfig, got {type(config).__name__}")

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from morse_jax.tasks.base import Task
 

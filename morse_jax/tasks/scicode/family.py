@@ -42,7 +42,7 @@ import dataclasses
 import logging
 from typing import Sequence
 
-from morse_jax.tasks.sandbox import record as sandbox_record, runner as sandbox  # noqa: F401 (re-exported)
+from morse_jax.tasks.sandbox import record as sandbox_record, runner as sandbox
 from morse_jax.tasks.base import Message, Task, VerifyResult
 from morse_jax.tasks.scicode.context import (check_gate, context_code, extract_code, gold_upstream, join_program,
                                           split_program)
@@ -55,6 +55,16 @@ from morse_jax.tasks.scicode.harness import (HARNESS_VERSION, ExecLimits, StepRe
 from morse_jax.tasks.scicode.targets import (H5Targets, RebuiltTargets, TargetRebuildError, TargetSource,
                                              default_cache_dir, summarize)
 from morse_jax.tasks.plan import Plan, PlanNode, step_chain_plan
+
+__all__ = [  # defined here, then re-exported from the modules this one is built from
+    "SciCodeFamily", "step_pairs", "check_gate", "context_code", "extract_code", "gold_upstream",
+    "join_program", "split_program", "PACKAGE_SOURCES", "SLOW_STEPS", "SPLITS", "Problem",
+    "SciCodeDataError", "Step", "load_problems", "load_split", "package_data_dir", "problem_to_task",
+    "split_path", "SplitTest", "TestRewriteError", "check_test", "recorded_target", "split_test",
+    "HARNESS_VERSION", "ExecLimits", "StepReport", "prepared_tests", "run_step_tests", "step_job",
+    "step_program", "step_report", "H5Targets", "RebuiltTargets", "TargetRebuildError", "TargetSource",
+    "default_cache_dir", "summarize", "sandbox", "sandbox_record",
+]
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,6 +47,15 @@ from morse_jax.tasks.srdd.scoring import (RunOutcome, SRDDRewardConfig, SRDDScor
                                           smoke_run, smoke_run_many, srdd_reward)
 from morse_jax.tasks.plan import Plan, PlanNode
 
+__all__ = [  # defined here, then re-exported from the modules this one is built from
+    "SYSTEM_PROMPT", "FORMAT_RULES", "SOFTWARE_PROJECT_HINT", "SRDDFamily", "bag_of_words", "codebase_text",
+    "completeness", "find_placeholders", "lexical_cosine", "strip_comments_docstrings",
+    "materialise_codebase", "parse_codebase", "serialise_codebase", "COLUMNS", "DATA_DIR_ENV", "SPLITS",
+    "SRDDInfo", "load_srdd", "resolve_srdd_path", "RunOutcome", "SRDDRewardConfig", "SRDDScores",
+    "classify_run", "eci_summary", "embedding_consistency", "evaluate_codebases", "score_codebase",
+    "smoke_run", "smoke_run_many", "srdd_reward",
+]
+
 
 # ============================================================================ task family
 

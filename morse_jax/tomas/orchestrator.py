@@ -142,7 +142,7 @@ class Orchestrator:
         resolved = self._plan_all(tasks, plans, counters)
         states = [
             TaskState(t, self.families[t.family], resolved[t.task_id],
-                       {n.id: NodeTrace(n.id, n.depends_on) for n in resolved[t.task_id].nodes})
+                      {n.id: NodeTrace(n.id, n.depends_on) for n in resolved[t.task_id].nodes})
             for t in tasks
         ]
         groups: list[RolloutGroup] = []

@@ -47,8 +47,7 @@ def run_sampler(bb, mesh, bank, sizes):
     outs = [s.generate(bank, requests(n), key=jax.random.key(3)) for n in sizes]
     info = None
     if mesh is not None:
-        info = {"qkv_w": str(s._params["layers"][0]["qkv"]["w"].sharding.spec), "programs":
-                s._prefill.num_programs + s._decode.num_programs}
+        info = {"qkv_w": str(s.params["layers"][0]["qkv"]["w"].sharding.spec), "programs": s.compile_count}
     return outs, info
 
 

@@ -529,7 +529,7 @@ def test_native_kernel_choice_says_why():
     with pytest.raises(ValueError, match="cpu_kernels='on'.*bfloat16"):
         Sampler(half, None, dataclasses.replace(SMALL, cpu_kernels="on"))
     model_path = Sampler(bb, None, dataclasses.replace(SMALL, decode_path="model"))
-    assert model_path.native_kernels.startswith("off (decode_path='model'") and not model_path._native
+    assert model_path.native_kernels.startswith("off (decode_path='model'") and not model_path.loop_config.native
     assert Sampler(bb, None, dataclasses.replace(SMALL, cache_dtype=jnp.bfloat16)).native_kernels.startswith(
         "off (a bfloat16 KV cache")
     assert Sampler(bb, None, dataclasses.replace(SMALL, cpu_kernels="off")).native_kernels.startswith("off")

@@ -28,7 +28,6 @@ from morse_jax.parallel.jit import (
     ShapeKeyedJit,
     replicate,
     replicated_jit,
-    sampler_functions,
     shard_backbone,
     sharded_logits,
     trainer_functions,
@@ -53,6 +52,6 @@ __all__ = [
     "barrier", "batch_sharding", "batch_shardings", "broadcast_from_coordinator", "cache_shardings", "constrain",
     "describe", "initialize", "is_coordinator", "logical_spec", "make_mesh", "max_micro_batch", "memory_plan",
     "memory_table", "param_shardings", "param_specs", "process_allgather", "replicate", "replicated", "replicated_jit",
-    "resolve_mesh_shape", "run_on_coordinator", "sampler_functions", "shard_backbone", "shard_params", "sharded_logits", "slurm_settings",
+    "resolve_mesh_shape", "run_on_coordinator", "shard_backbone", "shard_params", "sharded_logits", "slurm_settings",
     "to_global", "trainer_functions",
 ]

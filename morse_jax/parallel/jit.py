@@ -1,7 +1,9 @@
-"""Jitted backbone logits, sampler and update step with explicit in/out shardings over a mesh.
+"""Jit with explicit in/out shardings over a mesh: generic wrappers, backbone logits, update step.
 
-``Sampler(..., mesh=mesh)`` and ``Trainer(..., mesh=mesh)`` call :func:`sampler_functions` and
-:func:`trainer_functions`; :func:`sharded_logits` is the mesh version of ``models.logits``.
+:class:`ShapeKeyedJit` and :func:`replicated_jit` are generic: callers hand them pure functions
+and a rule that gives shardings per argument shapes (``sampling.sharded`` builds the sampler's
+this way). ``Trainer(..., mesh=mesh)`` calls :func:`trainer_functions`; :func:`sharded_logits` is
+the mesh version of ``models.logits``.
 
 Layout (see ``sharding.py`` for the rules): backbone weights by logical axes; the expert bank,
 router and optimizer states replicated; batch rows split over (data, fsdp); KV caches split over
@@ -27,11 +29,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from morse_jax.models.config import ModelConfig
-from morse_jax.models.transformer import forward, init_cache
+from morse_jax.models.transformer import forward
 from morse_jax.parallel.sharding import (
     activation_sharding,
     batch_shardings,
-    cache_shardings,
     param_shardings,
     replicated,
     shard_params,
@@ -144,67 +145,6 @@ def shard_backbone(mesh: Mesh, backbone):
     return dataclasses.replace(backbone, params=shard_params(mesh, backbone.params, backbone.config))
 
 
-# --------------------------------------------------------------------------- sampler
-
-
-def sampler_functions(sampler, mesh: Mesh):
-    """Sharded params, prefill and decode for a ``sampling.generate.Sampler``.
-
-    Returns (params placed on the mesh, prefill, decode) with the same call signatures as the
-    sampler's plain ``jax.jit`` functions (the decode still donates its state).
-    """
-    cfg = sampler.cfg
-    params = shard_params(mesh, sampler._params, cfg)
-    p_sh = param_shardings(mesh, params, cfg)
-    rep = replicated(mesh)
-    fused = sampler.config.decode_path == "fused"
-
-    def cache_like(B: int, S: int, dtype):
-        if fused:
-            from morse_jax.models.decode import init_decode_cache
-
-            return jax.eval_shape(lambda: init_decode_cache(cfg, B, S, dtype))
-        return jax.eval_shape(lambda: init_cache(cfg, params, B, S, dtype))
-
-    def row(x, *rest_logical):
-        return activation_sharding(mesh, ("batch",) + rest_logical, shape_of(x), cfg)
-
-    def prefill_shardings(args, static):
-        _, bank, tokens, valid, ids, weights, n_chunks = args
-        B = shape_of(tokens)[0]
-        dtype = sampler.config.cache_dtype or params["embed"].dtype
-        cache = cache_like(B, static["cache_len"], dtype)
-        in_sh = (p_sh, _like(rep, bank), row(tokens, None), row(valid, None), row(ids, None), row(weights, None), rep)
-        out_sh = (activation_sharding(mesh, ("batch", None), (B, cfg.vocab_size), cfg),
-                  cache_shardings(mesh, cache, cfg), rep)
-        if sampler.capture_layer is not None:  # prefix states [B, P, d]
-            out_sh += (activation_sharding(mesh, ("batch", None, None), (*shape_of(tokens), cfg.hidden_size), cfg),)
-        return in_sh, out_sh
-
-    def state_shardings(state):
-        host_read = ("key", "step", "tokens", "logps", "n_gen", "reason", "done", "pos")
-        out = {k: _like(rep, v) for k, v in state.items() if k in host_read}
-        out["logits"] = row(state["logits"], None)
-        out["cache"] = cache_shardings(mesh, state["cache"], cfg)
-        if "states" in state:
-            out["states"] = row(state["states"], None, None)
-        missing = set(state) - set(out)
-        if missing:
-            raise ValueError(f"sampler state has unexpected entries {sorted(missing)}")
-        return out
-
-    def decode_shardings(args, static):
-        _, bank, state, ids, weights, settings, stop_end = args
-        st = state_shardings(state)
-        in_sh = (p_sh, _like(rep, bank), st, row(ids, None), row(weights, None),
-                 tuple(row(s, *(None,) * (len(shape_of(s)) - 1)) for s in settings), rep)
-        return in_sh, st
-
-    prefill = ShapeKeyedJit(sampler._prefill_impl, prefill_shardings, static_argnames=("cache_len", "chunk"))
-    decode = ShapeKeyedJit(sampler._decode_impl, decode_shardings, donate_argnums=(2,))
-    return params, prefill, decode
-
-
 # --------------------------------------------------------------------------- update step
 
 
@@ -274,5 +214,5 @@ def replicate(mesh: Mesh, tree: Any) -> Any:
     return to_global(tree, replicated(mesh))
 
 
-__all__ = ["ShapeKeyedJit", "replicate", "replicated_jit", "sampler_functions", "shard_backbone", "sharded_logits",
+__all__ = ["ShapeKeyedJit", "replicate", "replicated_jit", "shard_backbone", "sharded_logits",
            "trainer_functions"]

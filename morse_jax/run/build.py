@@ -228,7 +228,7 @@ class Job:
 
     def route(self, descriptions: Sequence[str], *, num_samples: int, greedy: bool) -> RouteDraw:
         ids, mask = encode_descriptions(self.backbone.tokenizer, descriptions)
-        members, set_logp, probs = self._route_jit(self.trainable["router"], self.sampler._params["embed"], ids,
+        members, set_logp, probs = self._route_jit(self.trainable["router"], self.sampler.params["embed"], ids,
                                                    mask, self.next_key(), num_samples=num_samples, greedy=greedy)
         return RouteDraw(np.asarray(members), np.asarray(set_logp), np.asarray(probs))
 

@@ -97,3 +97,16 @@ class TokenHealer:
         if not mask.any():
             return 0, "", None
         return n, text, mask
+
+
+def first_token_mask(heals: Sequence[tuple[str, np.ndarray] | None], shape: tuple[int, int]) -> np.ndarray:
+    """bool[B, V] allowed first tokens of a micro-batch: a healed row's mask, all True elsewhere.
+
+    heals[i]: (dropped text, allowed bool[V]) from :meth:`TokenHealer.heal`, or None (rows past
+    ``len(heals)``, the batch's padding, are unconstrained).
+    """
+    mask = np.ones(shape, bool)
+    for i, h in enumerate(heals):
+        if h is not None:
+            mask[i] = h[1]
+    return mask

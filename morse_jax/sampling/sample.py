@@ -122,3 +122,9 @@ def token_log_prob(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """log softmax(logits)[token] at temperature 1: float32[B] (the behaviour log-prob for PPO)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def restrict_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """float32[B, V] logits with tokens where ``allowed`` (bool[B, V]) is False at NEG (never
+    sampled, never the argmax)."""
+    return jnp.where(allowed, logits, NEG)

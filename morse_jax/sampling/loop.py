@@ -1,0 +1,169 @@
+"""The sampler's device side: pure prefill and decode-loop functions (jitted by the caller).
+
+Both take a static :class:`LoopConfig` first (bind it with ``functools.partial``), then arrays:
+backbone params in the decode path's layout, the expert bank (or None), and the typed pytrees
+of ``sampling.state``. ``Sampler`` jits them plainly, or hands them to
+``sampling.sharded.shard_sampler_functions`` for explicit shardings over a mesh.
+
+The model maths run through ``morse_jax.models.decode`` (fused, transposed weights and a
+decode-friendly cache layout; ``decode_path="fused"``) or through the backbone's own forward
+with per-layer caches (``decode_path="model"``, the reference path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from morse_jax.models.config import ModelConfig
+from morse_jax.models.decode import (
+    decode_step,
+    forward_cached,
+    init_decode_cache,
+    positions_from_valid,
+    prepare_lora,
+    rope_tables_for,
+)
+from morse_jax.models.transformer import forward, init_cache
+from morse_jax.mole.experts import ExpertBankSpec, gather_lora
+from morse_jax.sampling.sample import select_tokens
+from morse_jax.sampling.state import (
+    DecodeSettings,
+    ExpertSlots,
+    PrefillOutput,
+    PromptBatch,
+    SamplingState,
+    record_tokens,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static settings of the jitted prefill and decode (fixed per Sampler).
+
+    cfg: the backbone's config. spec: the expert bank's layout (None: no adapters).
+    decode_path: "fused" or "model". lora_compose: "auto", "gather" or "onehot".
+    capture_layer: layer whose input residual is returned (None: none). native: decode steps on
+    the native CPU kernels. k_cap: top-k candidates for top-p. barrier: the optimization barrier
+    around top-k in token selection (off under a mesh: see ``select_tokens``). cache_dtype: KV
+    cache dtype (None: the params' dtype).
+    """
+
+    cfg: ModelConfig
+    spec: ExpertBankSpec | None
+    decode_path: str
+    lora_compose: str
+    capture_layer: int | None
+    native: bool
+    k_cap: int
+    barrier: bool
+    cache_dtype: Any = None
+
+    @property
+    def fused(self) -> bool:
+        return self.decode_path == "fused"
+
+    def cache_dtype_for(self, params) -> Any:
+        return self.cache_dtype or params["embed"].dtype
+
+
+def empty_cache(lc: LoopConfig, params, batch: int, cache_len: int) -> Any:
+    """A zeroed KV cache of the decode path's layout for ``batch`` rows and ``cache_len`` slots."""
+    dtype = lc.cache_dtype_for(params)
+    if lc.fused:
+        return init_decode_cache(lc.cfg, batch, cache_len, dtype)
+    return init_cache(lc.cfg, params, batch, cache_len, dtype)
+
+
+def row_lora(lc: LoopConfig, bank, experts: ExpertSlots):
+    """Per-row LoRA inputs for a batch (None without a bank); computed once per device call,
+    outside the loops."""
+    if lc.spec is None or bank is None:
+        return None
+    compose = lc.lora_compose
+    ids = experts.ids
+    if compose == "auto":  # all experts beat per-row gathers unless the bank outgrows the batch's slots
+        compose = "onehot" if lc.spec.num_experts <= ids.shape[0] * ids.shape[1] else "gather"
+    lora = gather_lora(bank, dataclasses.replace(lc.spec, compose=compose), ids, experts.weights)
+    return prepare_lora(lora) if lc.fused else lora
+
+
+def _forward(lc: LoopConfig, params, tokens, valid, positions, cache, lora, rope=None):
+    """Logits at the last new position [B, V] and the updated cache (and, with
+    ``capture_layer``, the residual entering it [B, T, d])."""
+    if lc.fused:
+        return forward_cached(params, lc.cfg, tokens, valid, positions, cache, lora, rope,
+                              capture_layer=lc.capture_layer)
+    return forward(params, lc.cfg, tokens, positions=positions, valid=valid, cache=cache, lora=lora,
+                   logits_mode="last")
+
+
+def _step(lc: LoopConfig, params, tokens, active, positions, cache, lora, rope):
+    """One token per row: logits [B, V] and the updated cache (and the captured residual [B, d])."""
+    if lc.fused:
+        return decode_step(params, lc.cfg, tokens, active, positions, cache, lora, rope,
+                           capture_layer=lc.capture_layer, native=lc.native)
+    return _forward(lc, params, tokens[:, None], active[:, None], positions[:, None], cache, lora)
+
+
+def prefill(lc: LoopConfig, params, bank, batch: PromptBatch, experts: ExpertSlots, n_chunks: jax.Array, *,
+            cache_len: int, chunk: int) -> PrefillOutput:
+    """Prompts in ``n_chunks`` chunks of ``chunk`` tokens into a fresh cache of ``cache_len`` slots.
+
+    A loop, so the chunk count is dynamic: prefill work follows the batch's longest prompt, not
+    its bucket, and the attention scores of a chunk stay [B, heads, chunk, S] however long the
+    prompt. n_chunks: int32[] (chunks covering the prompts' end slot).
+    """
+    tokens, valid = batch.tokens, batch.valid
+    B = tokens.shape[0]
+    cache = empty_cache(lc, params, B, cache_len)
+    lora = row_lora(lc, bank, experts)
+    positions = positions_from_valid(valid)
+    rope = rope_tables_for(lc.cfg, cache_len, lc.cache_dtype_for(params)) if lc.fused else None
+    capture = lc.capture_layer is not None
+
+    def body(i, carry):
+        def part(a):
+            return jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
+
+        out = _forward(lc, params, part(tokens), part(valid), part(positions), carry[1], lora, rope)
+        if not capture:
+            return out
+        return out[0], out[1], jax.lax.dynamic_update_slice_in_dim(carry[2], out[2], i * chunk, axis=1)
+
+    carry = (jnp.zeros((B, lc.cfg.vocab_size), jnp.float32), cache)
+    if capture:
+        carry += (jnp.zeros((*tokens.shape, lc.cfg.hidden_size), params["embed"].dtype),)
+    carry = jax.lax.fori_loop(0, n_chunks, body, carry)
+    return PrefillOutput(logits=carry[0], cache=carry[1], pos=jnp.sum(valid, axis=1, dtype=jnp.int32),
+                         prefix_states=carry[2] if capture else None)
+
+
+def decode(lc: LoopConfig, params, bank, state: SamplingState, experts: ExpertSlots, settings: DecodeSettings,
+           stop_end: jax.Array) -> SamplingState:
+    """Decode steps until ``stop_end`` (int32[]) steps are done or every row is done.
+
+    Each step draws a token per row from ``state.logits`` (``select_tokens``), records it and the
+    rows that finish (``record_tokens``), and runs the model on it for the next logits.
+    """
+    lora = row_lora(lc, bank, experts)
+    rope = None
+    if lc.fused:  # loop-invariant tables, built once per call
+        rope = rope_tables_for(lc.cfg, state.cache["valid"].shape[1], params["embed"].dtype)
+
+    def cond(s):
+        return (s.step < stop_end) & ~jnp.all(s.done)
+
+    def body(s):
+        key, sub = jax.random.split(s.key)
+        tok, lp = select_tokens(sub, s.logits, settings.temperature, settings.top_k, settings.top_p,
+                                k_cap=lc.k_cap, barrier=lc.barrier)
+        s, active = record_tokens(s, key, tok, lp, settings)
+        out = _step(lc, params, tok, active, s.pos, s.cache, lora, rope)
+        states = s.states if lc.capture_layer is None else s.states.at[:, s.step].set(out[2])
+        return s.replace(logits=out[0], cache=out[1], pos=s.pos + active, step=s.step + 1, states=states)
+
+    return jax.lax.while_loop(cond, body, state)

@@ -32,6 +32,7 @@ from morse_jax.models.decode import decode_params
 from morse_jax.models.loading import Backbone
 from morse_jax.models.transformer import split_segments, unstack_segments
 from morse_jax.mole.experts import ExpertBankSpec
+from morse_jax.parallel.distributed import process_allgather
 from morse_jax.sampling import loop
 from morse_jax.sampling.finish import completions, mark_stop_strings
 from morse_jax.sampling.healing import TokenHealer, first_token_mask
@@ -45,6 +46,7 @@ from morse_jax.sampling.requests import (  # Completion, Request, SamplerConfig:
     pack_requests,
 )
 from morse_jax.sampling.sample import restrict_logits
+from morse_jax.sampling.sharded import shard_sampler_functions
 from morse_jax.sampling.state import DecodeSettings, ExpertSlots, PrefillOutput, SamplingState, initial_state
 
 log = logging.getLogger("morse_jax.sampling")
@@ -98,8 +100,6 @@ class Sampler:
             self._prefill = jax.jit(prefill, static_argnames=("cache_len", "chunk"))
             self._decode = jax.jit(decode, donate_argnums=(2,))
         else:  # params, batches and caches sharded over the mesh
-            from morse_jax.sampling.sharded import shard_sampler_functions
-
             self.params, self._prefill, self._decode = shard_sampler_functions(mesh, self.loop_config, params,
                                                                                prefill, decode)
 
@@ -222,8 +222,6 @@ class Sampler:
         st["batches"] += 1
         prompt_states = gen_states = None
         if self.capture_layer is not None:  # row-sharded over the mesh: every process needs every row
-            from morse_jax.parallel.distributed import process_allgather
-
             prompt_states, gen_states = process_allgather((pre.prefix_states, state.states))
         return completions(reqs, self.backbone.tokenizer, tokens=np.asarray(state.tokens), logps=np.asarray(state.logps),
                            n_gen=np.asarray(state.n_gen), reason=np.asarray(state.reason), stop_at=stop_at,
@@ -236,8 +234,6 @@ class Sampler:
         if self.mesh is None:
             full = np.asarray(logits)
         else:  # row-sharded over a mesh: gather them
-            from morse_jax.parallel.distributed import process_allgather
-
             full = np.asarray(process_allgather(logits))
         mask = first_token_mask(heals, full.shape)
         allowed = mask

@@ -136,6 +136,9 @@ class SamplerConfig:
             raise ValueError("sampler.return_prefix_states needs sampler.decode_path='fused'")
 
 
+DEFAULT_SAMPLER_CONFIG = SamplerConfig()  # one shared default (the config is frozen)
+
+
 def bucket(n: int, buckets: Sequence[int], what: str) -> int:
     for b in buckets:
         if n <= b:

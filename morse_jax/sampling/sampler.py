@@ -37,6 +37,7 @@ from morse_jax.sampling import loop
 from morse_jax.sampling.finish import completions, mark_stop_strings
 from morse_jax.sampling.healing import TokenHealer, first_token_mask
 from morse_jax.sampling.requests import (  # Completion, Request, SamplerConfig: callers import them from here
+    DEFAULT_SAMPLER_CONFIG,
     MAX_STOP_IDS,
     Completion,
     Request,
@@ -67,7 +68,7 @@ class Sampler:
     """
 
     def __init__(self, backbone: Backbone, spec: ExpertBankSpec | None = None,
-                 config: SamplerConfig = SamplerConfig(), mesh=None):
+                 config: SamplerConfig = DEFAULT_SAMPLER_CONFIG, mesh=None):
         self.backbone, self.spec, self.config = backbone, spec, config
         self.cfg = backbone.config
         n_adapt = spec.n_adapt if spec is not None else 0
@@ -223,8 +224,8 @@ class Sampler:
         prompt_states = gen_states = None
         if self.capture_layer is not None:  # row-sharded over the mesh: every process needs every row
             prompt_states, gen_states = process_allgather((pre.prefix_states, state.states))
-        return completions(reqs, self.backbone.tokenizer, tokens=np.asarray(state.tokens), logps=np.asarray(state.logps),
-                           n_gen=np.asarray(state.n_gen), reason=np.asarray(state.reason), stop_at=stop_at,
+        return completions(reqs, self.backbone.tokenizer, tokens=np.asarray(state.tokens),
+                           logps=np.asarray(state.logps), n_gen=np.asarray(state.n_gen), reason=np.asarray(state.reason), stop_at=stop_at,
                            heals=heals, first_logits=first_logits, prompt_end=shape.prompt_end,
                            prompt_states=prompt_states, gen_states=gen_states)
 
@@ -275,7 +276,7 @@ def _cached_sampler(backbone: Backbone, spec: ExpertBankSpec | None, config: Sam
 
 
 def generate(backbone: Backbone, experts: tuple[dict, ExpertBankSpec] | None, requests: Sequence[Request], *,
-             key: jax.Array, config: SamplerConfig = SamplerConfig()) -> list[Completion]:
+             key: jax.Array, config: SamplerConfig = DEFAULT_SAMPLER_CONFIG) -> list[Completion]:
     """Functional entry point: ``experts`` is (bank, spec) or None. Reuses a cached Sampler."""
     bank, spec = experts if experts is not None else (None, None)
     return _cached_sampler(backbone, spec, config).generate(bank, requests, key=key)

@@ -13,7 +13,8 @@ import pytest
 from morse_jax.tasks.pyfuncs import data as pd
 from morse_jax.tasks.pyfuncs.family import PyFuncsFamily, merged_reference, pyfuncs_metrics
 from morse_jax.tasks.pyfuncs.templates import OOD_TEMPLATES, TEMPLATES, reference_function
-from morse_jax.tasks.pyfuncs.verify import encode_value, score_calls
+from morse_jax.tasks.pyfuncs.verify import same_value, score_calls
+from morse_jax.tasks.sandbox import wire_format
 
 ROOT = Path(__file__).resolve().parents[1]
 FAM = PyFuncsFamily()
@@ -74,12 +75,14 @@ def _round_trip(n: int):
                 src = merged_reference(t.payload) + "\n" + s.spec.reference if s.node_id == pd.SOLVE else s.spec.reference
                 fn = reference_function(src, s.spec.name)
                 for c in (*s.examples, *s.tests):
-                    assert encode_value(fn(ast.literal_eval(c.input_repr))) == encode_value(c.expected), (t.task_id, s.node_id)
+                    got = wire_format.loads(wire_format.dumps(fn(ast.literal_eval(c.input_repr))))
+                    assert same_value(got, c.expected), (t.task_id, s.node_id)
 
 
 def test_test_cases_round_trip_through_the_literal_and_encoding_the_sandbox_uses():
-    """In process: the reference applied to the literal-parsed input encodes exactly as the stored
-    expected value (what the sandbox comparison relies on); the first 150 tasks of each split."""
+    """In process: the reference applied to the literal-parsed input, sent through the sandbox's
+    wire format, equals the stored expected value exactly (what the sandbox comparison relies
+    on); the first 150 tasks of each split."""
     _round_trip(150)
 
 
@@ -110,6 +113,38 @@ def test_reference_scores_one_and_a_wrong_solution_less_in_the_sandbox(split, in
     assert not dropped.gate and dropped.reward == 0.0
 
 
+def test_same_value_is_exact_and_typed():
+    """The PyFuncs comparison, from its definition: same type at every level, equal scalars."""
+    assert same_value(3, 3) and same_value("a", "a") and same_value(None, None)
+    assert not same_value(True, 1) and not same_value(1, True) and not same_value(3.0, 3)
+    assert same_value([1, [2, "x"]], [1, [2, "x"]]) and not same_value([1, 2], (1, 2))
+    assert not same_value([1, 2], [1, 2, 3]) and not same_value([1, 2], [2, 1])
+    assert same_value({"a": 1, "b": 2}, {"b": 2, "a": 1})  # dict items are order-free
+    assert not same_value({"a": 1}, {"a": 1, "b": 2}) and not same_value({1: 1}, {"1": 1})
+    assert not same_value({"a": 1}, {"a": True})
+
+
+def test_score_calls_keeps_expected_values_out_of_the_sandbox(monkeypatch):
+    """One check in one function: the family's verifier goes through record.check_outputs, and
+    what enters the sandbox (program and call expressions) holds no expected value."""
+    from morse_jax.tasks.sandbox import runner
+
+    seen = []
+    real = runner.run_python
+
+    def spy(code, files=None, **kw):
+        seen.append((code, {k: v if isinstance(v, str) else v.decode() for k, v in (files or {}).items()}))
+        return real(code, files=files, **kw)
+
+    monkeypatch.setattr(runner, "run_python", spy)
+    secret = "expected-9f3a1c"
+    assert score_calls("def f(x):\n    return x + '!'\n", [("f", "'a'", "a!"), ("f", "'b'", secret)]) == [True, False]
+    assert len(seen) == 1
+    code, files = seen[0]
+    assert secret not in code and not any(secret in v for v in files.values())
+    assert any("f('a')" in v for v in files.values())
+
+
 def test_gate_rejects_unparsable_or_missing_function_with_zero_reward():
     task = pd.make_task("train", 0)
     node = FAM.fixed_plan(task).nodes[0]
@@ -123,7 +158,9 @@ def test_forged_equality_cannot_pass():
     prog = ("class Eq:\n    def __eq__(self, o):\n        return True\n"
             "class FakeInt(int):\n    def __str__(self):\n        return '7'\n"
             "def f(x):\n    return Eq()\ndef g(x):\n    return FakeInt(3)\n")
-    assert score_calls(prog, [("f", "1", 1), ("g", "1", 7), ("g", "1", 3)]) == [False, False, False]
+    # An int subclass crosses the wire as the plain int it holds: its forged __str__ cannot make
+    # 3 pass for 7 (the 3 it really is passes, as any int 3 would).
+    assert score_calls(prog, [("f", "1", 1), ("g", "1", 7), ("g", "1", 3)]) == [False, False, True]
     assert score_calls("def h(x):\n    return [x, {1: 'a'}]\n", [("h", "2", [2, {1: "a"}]), ("h", "2", (2, {1: "a"}))]) \
         == [True, False]
 

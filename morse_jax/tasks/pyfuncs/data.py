@@ -119,7 +119,8 @@ def solve_spec(helpers: Sequence[FunctionSpec]) -> FunctionSpec:
     call = first.param
     for h in helpers:
         call = f"{h.name}({call})"
-    doc = f"Return {call}. Call the functions defined above; do not define them again."
+    # The call written out as code to copy (calibration: answers dropped or reordered helpers).
+    doc = f"Return `{call}`, calling the functions defined above (do not define them again)."
     header = f"def {SOLVE}({first.param}: {TYPES[first.in_type][0]}) -> {TYPES[last.out_type][0]}:"
     return FunctionSpec("compose", "compose", first.in_type, last.out_type, SOLVE, doc,
                         f"{header}\n    return {call}\n", ())

@@ -6,7 +6,7 @@ aggregation, formatting) from one value type to another. Drawing its parameters 
 reference source. Tasks (:mod:`~morse_jax.tasks.pyfuncs.data`) chain specs whose types match.
 
 Value types (``TYPES``): each has a Python annotation and a generator of random inputs used for
-examples and hidden tests. ``numtext`` / ``pairtext`` / ``mixtext`` strings only make sense as
+examples and hidden tests. ``numtext`` / ``pairtext`` / ``mixtext`` / ``wordtext`` strings only make sense as
 the *first* input of a chain (they are produced by the template's own ``source`` generator).
 
 Reference sources are our own code, so the trusted process runs them directly to compute the
@@ -58,6 +58,7 @@ TYPES: Mapping[str, tuple[str, str, Callable[[random.Random], Any] | None]] = {
     "numtext": ("str", "text", None),
     "pairtext": ("str", "text", None),
     "mixtext": ("str", "text", None),
+    "wordtext": ("str", "text", None),
     "ints": ("list[int]", "xs", _ints),
     "int": ("int", "n", lambda rng: rng.randint(-20, 150)),
     "words": ("list[str]", "words", _words),
@@ -132,6 +133,11 @@ def _pairtext(rng, p):
     return p["sep"].join(f"{k}{p['kv']}{rng.randint(0, 30)}" for k in keys)
 
 
+def _wordtext(rng, p):
+    words = [rng.choice(_VOCAB) for _ in range(rng.randint(2, 5))]
+    return p["sep"].join(w.capitalize() if rng.random() < 0.3 else w for w in words)
+
+
 def _mixtext(rng, p):
     parts = [rng.choice(_VOCAB) if rng.random() < 0.5 else str(rng.randint(0, 99)) for _ in range(rng.randint(2, 6))]
     return " ".join(parts)
@@ -173,21 +179,28 @@ TEMPLATE_LIST: tuple[Template, ...] = (
        "Return the words of text (split on whitespace) each cut to its first {n} characters, "
        "joined by single spaces.",
        "    return ' '.join(w[:{n}] for w in text.split())"),
-    # ----- parsing: source strings -> values
+    # ----- parsing: source strings -> values. Split-and-convert, never regular expressions: the
+    # 135M model rarely writes a correct regex (calibration: parsing 3 % with re.findall templates).
     _T("parsing.split_ints", "parsing", "numtext", "ints", "parse_numbers",
        lambda r: {"sep": r.choice((",", ";", "|", "/", " "))},
-       "Parse text, integers separated by '{sep}', into a list of ints.",
+       "Split text on '{sep}' and return the parts converted to int, as a list.",
        "    return [int(p) for p in text.split({sep!r})]", _numtext),
-    _T("parsing.find_ints", "parsing", "mixtext", "ints", "find_numbers",
-       lambda r: (lambda o: {"order": o[0], "expr": o[1].format("[int(m) for m in re.findall(r'[0-9]+', text)]")})(
-           r.choice((("in the order they appear", "{}"), ("sorted from smallest to largest", "sorted({})"),
-                     ("sorted from largest to smallest", "sorted({}, reverse=True)")))),
-       "Return every whole number (a run of digits) that appears in text, as ints, {order}.",
-       "    import re\n    return {expr}", _mixtext),
-    _T("parsing.split_words", "parsing", "text", "words", "split_words",
-       _pick({"how": "lower case", "op": ".lower()"}, {"how": "as they are", "op": ""}),
-       "Split text into words (runs of letters) and return them {how}, in order.",
-       "    import re\n    return [w{op} for w in re.findall(r'[A-Za-z]+', text)]"),
+    _T("parsing.digit_words", "parsing", "mixtext", "ints", "find_numbers",
+       _pick({"order": "in order", "expr": "[int(w) for w in text.split() if w.isdigit()]"},
+             {"order": "sorted from smallest to largest", "expr": "sorted(int(w) for w in text.split() if w.isdigit())"}),
+       "Return the words of text (text.split()) that are made only of digits (w.isdigit()), "
+       "converted to int, {order}.",
+       "    return {expr}", _mixtext),
+    _T("parsing.split_words", "parsing", "wordtext", "words", "split_words",
+       lambda r: dict(r.choice(({"how": "in lower case", "op": ".lower()"}, {"how": "as they are", "op": ""})),
+                      sep=r.choice((" ", ",", ";", "-"))),
+       "Split text on '{sep}' and return the list of words {how}.",
+       "    return [w{op} for w in text.split({sep!r})]", _wordtext),
+    _T("parsing.count_digits", "parsing", "mixtext", "int", "count_digits",
+       _pick({"what": "digits (c.isdigit())", "cond": "c.isdigit()"},
+             {"what": "letters (c.isalpha())", "cond": "c.isalpha()"}),
+       "Return how many characters of text are {what}.",
+       "    return sum(1 for c in text if {cond})", _mixtext),
     _T("parsing.parse_pairs", "parsing", "pairtext", "counts", "parse_pairs",  # OOD
        lambda r: {"sep": r.choice((",", ";", " ")), "kv": r.choice(("=", ":"))},
        "Parse text made of 'key{kv}value' items separated by '{sep}' into a dict mapping each key "
@@ -231,52 +244,58 @@ TEMPLATE_LIST: tuple[Template, ...] = (
        lambda r: {},
        "Return the running totals of xs: element i of the result is xs[0] + ... + xs[i].",
        "    out, acc = [], 0\n    for x in xs:\n        acc += x\n        out.append(acc)\n    return out"),
-    # ----- dict aggregation
+    # ----- dict aggregation: one dict comprehension or counting loop each (calibration: 0 % with
+    # multiplied counts and remainder histograms).
     _T("dict.count_words", "dict", "words", "counts", "count_words",
-       lambda r: {"k": r.choice((1, 1, 2, 3, 10))},
-       "Return a dict mapping each word in words to the number of times it occurs, multiplied by {k}.",
-       "    out = {{}}\n    for w in words:\n        out[w] = out.get(w, 0) + {k}\n    return out"),
+       lambda r: {},
+       "Return a dict mapping each word in words to the number of times it occurs in words.",
+       "    out = {{}}\n    for w in words:\n        out[w] = out.get(w, 0) + 1\n    return out"),
     _T("dict.word_lengths", "dict", "words", "counts", "word_lengths",
-       lambda r: r.choice(({"what": "its number of characters", "expr": "len(w)"},
-                           {"what": "its number of vowels (a, e, i, o, u)", "expr": "sum(c in 'aeiou' for c in w)"},
-                           (lambda c: {"what": f"how many times the letter '{c}' occurs in it",
+       lambda r: r.choice(({"what": "len(w), its number of characters", "expr": "len(w)"},
+                           (lambda c: {"what": f"w.count({c!r}), how many times '{c}' occurs in it",
                                        "expr": f"w.count({c!r})"})(r.choice("aeiolnrt")))),
-       "Return a dict mapping each word in words to {what}.",
+       "Return a dict mapping each word w in words to {what}.",
        "    return {{w: {expr} for w in words}}"),
-    _T("dict.count_remainders", "dict", "ints", "icounts", "count_remainders",
-       lambda r: {"k": r.randint(2, 4)},
-       "Return a dict mapping each remainder x % {k} that occurs for an element x of xs to how many "
-       "elements have that remainder.",
-       "    out = {{}}\n    for x in xs:\n        out[x % {k}] = out.get(x % {k}, 0) + 1\n    return out"),
+    _T("dict.map_numbers", "dict", "ints", "icounts", "map_numbers",
+       lambda r: {"expr": r.choice(("x * {}", "x + {}")).format(r.randint(2, 5))},
+       "Return a dict mapping each element x of xs to {expr}.",
+       "    return {{x: {expr} for x in xs}}"),
     _T("dict.keep_frequent", "dict", "counts", "counts", "keep_frequent",
        lambda r: {"t": r.randint(2, 6)},
-       "Return a new dict with only the items of counts whose value is at least {t}.",
+       "Return a dict with only the items (k, v) of counts where v >= {t}.",
        "    return {{k: v for k, v in counts.items() if v >= {t}}}"),
+    _T("dict.scale_values", "dict", "counts", "counts", "scale_values",
+       lambda r: {"k": r.randint(2, 5)},
+       "Return a dict with the same keys as counts and every value multiplied by {k}.",
+       "    return {{k: v * {k} for k, v in counts.items()}}"),
     _T("dict.count_initials", "dict", "words", "counts", "count_initials",  # OOD
        lambda r: {},
        "Return a dict mapping each first letter of the words in words to how many words start with it.",
        "    out = {{}}\n    for w in words:\n        out[w[0]] = out.get(w[0], 0) + 1\n    return out"),
-    # ----- formatting: values -> a string
+    # ----- formatting: values -> a string. The spec spells out the expression (calibration: 8 %
+    # with prose-only specs; answers added punctuation or repeated the value).
     _T("format.label_number", "format", "int", "out", "label_number",
-       lambda r: {"prefix": r.choice(("total: ", "n=", "Result ", "value "))},
-       "Return the string '{prefix}' followed by n, for example {prefix!r} + str(7).",
+       lambda r: {"prefix": r.choice(("total: ", "n=", "Result ", "value ", "count: ", "sum=", "answer: ", "x = "))},
+       "Return {prefix!r} + str(n).",
        "    return {prefix!r} + str(n)"),
     _T("format.join_numbers", "format", "ints", "out", "join_numbers",
        lambda r: {"sep": r.choice((", ", "-", " ", ";"))},
-       "Return the elements of xs written as strings and joined by '{sep}'.",
+       "Return the elements of xs converted with str and joined by {sep!r}.",
        "    return {sep!r}.join(str(x) for x in xs)"),
     _T("format.join_words", "format", "words", "out", "join_words",
-       _pick({"sep": " ", "how": "upper case", "op": ".upper()"}, {"sep": "-", "how": "upper case", "op": ".upper()"},
-             {"sep": ", ", "how": "capitalized", "op": ".capitalize()"}),
-       "Return the words in {how}, joined by '{sep}'.",
+       _pick({"sep": " ", "how": "upper case (w.upper())", "op": ".upper()"},
+             {"sep": "-", "how": "upper case (w.upper())", "op": ".upper()"},
+             {"sep": ", ", "how": "capitalized (w.capitalize())", "op": ".capitalize()"},
+             {"sep": " ", "how": "as they are", "op": ""}),
+       "Return the words, each {how}, joined by {sep!r}.",
        "    return {sep!r}.join(w{op} for w in words)"),
     _T("format.format_counts", "format", "counts", "out", "format_counts",
-       lambda r: {"kv": r.choice(("=", ":")), "sep": r.choice((", ", ";", " "))},
-       "Return the items of counts as 'key{kv}value' strings, sorted by key, joined by '{sep}'.",
-       "    return {sep!r}.join(f'{{k}}{kv}{{v}}' for k, v in sorted(counts.items()))"),
+       lambda r: {"kv": r.choice(("=", ":", " ")), "sep": r.choice((", ", ";", " ", "|"))},
+       "Return the items (k, v) of counts, in order, each written as f'{{k}}{kv}{{v}}', joined by {sep!r}.",
+       "    return {sep!r}.join(f'{{k}}{kv}{{v}}' for k, v in counts.items())"),
     _T("format.wrap_text", "format", "text", "out", "wrap_text",
-       lambda r: (lambda p: {"l": p[0], "r": p[1]})(r.choice(("[]", "()", "<>", "{}"))),
-       "Return text with '{l}' added at the start and '{r}' added at the end.",
+       lambda r: (lambda p: {"l": p[0], "r": p[1]})(r.choice(("[]", "()", "<>", "{}", "**", "__", "||", "\"\""))),
+       "Return {l!r} + text + {r!r}.",
        "    return {l!r} + text + {r!r}"),
     _T("format.pad_number", "format", "int", "out", "pad_number",  # OOD
        lambda r: {"w": r.randint(3, 6)},

@@ -5,7 +5,8 @@ eval splits) at the training temperature of configs/learn_cpu.py, with the famil
 answer prefix; ``solve`` gets the helpers' reference code as context (a correct merge). Also
 samples merge calls on the reference helpers. Prints pass rates (all tests), mean reward, and the
 fraction of nodes with mixed outcomes (the nodes whose HGRPO groups are not skipped), plus
-greedy (T=0) figures. Run: ``python bench/learning_calibration.py [--tasks 12 --samples 8]``.
+greedy (T=0) figures. Run: ``python bench/learning_calibration.py [--tasks 12 --samples 8]``
+(``--no-merges --no-greedy``: only the sampled execute figure, a third of the decoding).
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", type=int, default=12)
+    ap.add_argument("--first", type=int, default=0, help="skip this many train tasks (another sample of tasks)")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=None, help="default: the config's rollout.temperature")
     ap.add_argument("--out", default="", help="write the figures as JSON here")
     ap.add_argument("--dump", default="", help="append every completion with its reward as JSON lines here")
+    ap.add_argument("--merges", action=argparse.BooleanOptionalAction, default=True,
+                    help="also sample merge calls (--no-merges: execute nodes only, the calibrated figure)")
+    ap.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=True,
+                    help="also decode each call greedily once (--no-greedy saves a pass on a busy machine)")
     args = ap.parse_args(argv)
 
     import importlib.util
@@ -48,7 +54,7 @@ def main(argv=None) -> int:
     from morse_jax.tasks.pyfuncs.family import PyFuncsFamily
 
     fam = PyFuncsFamily()
-    tasks = load_split("train", args.tasks)
+    tasks = load_split("train", args.first + args.tasks)[args.first:]
     calls = []  # (task, node, role, prompt ids, prefix)
     for t in tasks:
         plan = fam.fixed_plan(t)
@@ -57,13 +63,14 @@ def main(argv=None) -> int:
             msgs = fam.execute_messages(t, node, ctx, None)
             prefix = fam.answer_prefix(t, node, "execute")
             calls.append((t, node, "execute", job.encode([*msgs, {"role": "assistant", "content": prefix}]), prefix, ctx))
-            if node.id == SOLVE:
+            if node.id == SOLVE and args.merges:
                 arts = [fam.reference_artifact(t, plan.node(p)) for p in node.depends_on]
                 mprefix = fam.answer_prefix(t, node, "merge")
                 calls.append((t, node, "merge", job.encode([*fam.merge_messages(t, node, arts),
                                                             {"role": "assistant", "content": mprefix}]), mprefix, ""))
     out = {}
-    for label, temperature, k in (("sampled", temp, args.samples), ("greedy", 0.0, 1)):
+    passes = [("sampled", temp, args.samples)] + ([("greedy", 0.0, 1)] if args.greedy else [])
+    for label, temperature, k in passes:
         reqs = [Request(prompt_ids=ids, max_new_tokens=cfg.rollout.max_new_tokens, temperature=temperature,
                         top_p=cfg.rollout.top_p if temperature > 0 else 1.0, stop_token_ids=job.stop_ids,
                         stop_strings=fam.stop_strings)
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
         for (i, role, _), r in zip(jobs, results):
             per[(i, role)].append(r)
         fig = {}
-        for role in ("execute", "merge"):
+        for role in ("execute", "merge") if args.merges else ("execute",):
             groups = [v for (i, r), v in per.items() if r == role]
             flat = [r for v in groups for r in v]
             fig[role] = {"nodes": len(groups), "samples": len(flat),
@@ -117,7 +124,7 @@ def main(argv=None) -> int:
     e = out["sampled"]["execute"]
     print(f"calibration: untrained backbone passes {100 * e['pass_all']:.1f} % of execute-node samples at "
           f"T={temp} (mean reward {e['mean_reward']:.3f}, {100 * e['mixed_nodes']:.0f} % of nodes mixed; "
-          f"{e['nodes']} nodes x {args.samples} samples, {args.tasks} train tasks)")
+          f"{e['nodes']} nodes x {args.samples} samples, train tasks {args.first}..{args.first + args.tasks - 1})")
     return 0
 
 

@@ -94,11 +94,13 @@ def bank_spec(n_adapt: int):
 
 
 def run_child(args) -> int:
+    from morse_jax.models.params import num_params
+
     phase, name = args.child.split(":")
     out = Path(args.child_out)
     budget = gpu_phases.Budget(args.child_budget)
     cfg, spec = model_config(name, args.tiny), bank_spec(args.n_adapt)
-    result: dict = {"phase": phase, "model": MODELS[name], "params": cfg.num_params()}
+    result: dict = {"phase": phase, "model": MODELS[name], "params": num_params(cfg)}
     if phase != "hf":
         import jax
 

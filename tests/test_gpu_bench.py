@@ -92,6 +92,7 @@ def test_tiny_run_with_the_transformers_peer(tmp_path):
 def test_update_flops_counted_from_the_definition():
     g = _bench()
     from morse_jax.models.config import ModelConfig
+    from morse_jax.models.params import num_params
     from morse_jax.mole.experts import ExpertBankSpec
 
     d, f, H, K, D, V = 8, 16, 2, 1, 4, 10
@@ -123,6 +124,6 @@ def test_transformers_peer_has_our_shapes(name):
     cfg = g.model_config(name, tiny=True)
     model = AutoModelForCausalLM.from_config(g.gpu_phases.hf_model_config(cfg))
     n = sum(p.numel() for p in model.parameters())  # tied embeddings are one parameter
-    assert n == cfg.num_params()
+    assert n == num_params(cfg)
     assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
     assert model.model.layers[0].self_attn.q_proj.out_features == cfg.num_heads * cfg.head_dim

@@ -31,7 +31,7 @@ from conftest import perturb_, torch_logits
 from safetensors.numpy import save_file
 
 from morse_jax.models import (Backbone, ModelConfig, RopeSpec, forward, from_hf_config, init_cache, init_params,
-                              load_backbone, param_shapes, split_segments, unstack_segments)
+                              load_backbone, num_params, param_shapes, split_segments, unstack_segments)
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, pad_active
 from morse_jax.sampling.sampler import Request, Sampler, SamplerConfig
 
@@ -126,7 +126,7 @@ def test_tiny_model_parity(case, tmp_path):
         assert (cfg.kv_sharing_modes[i] == "reuse") == attn.is_kv_shared_layer
     assert ("lm_head" in bb.params) == (not hf.tie_word_embeddings)
     n_torch = sum(p.numel() for p in model.parameters()) + num_layer_scalars(model)
-    assert sum(x.size for x in jax.tree.leaves(bb.params)) == n_torch == cfg.num_params()
+    assert sum(x.size for x in jax.tree.leaves(bb.params)) == n_torch == num_params(cfg)
 
 
 def test_layer_layout_follows_shapes():
@@ -284,7 +284,7 @@ def test_param_count_matches_transformers(name):
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(hf)
     theirs = sum(p.numel() for p in model.parameters()) + num_layer_scalars(model)
-    assert ours == theirs == cfg.num_params()
+    assert ours == theirs == num_params(cfg)
     if name == "gemma-4-31B":
         assert 30.0e9 < ours < 31.5e9  # "31B" (text backbone; the vision tower is not counted)
         assert (cfg.layer_head_dim(0), cfg.layer_kv_heads(0), cfg.layer_has_v(0)) == (256, 16, True)

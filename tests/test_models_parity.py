@@ -19,7 +19,7 @@ import torch
 from conftest import torch_logits
 from transformers import AutoModelForCausalLM
 
-from morse_jax.models import forward, load_backbone
+from morse_jax.models import forward, load_backbone, num_params
 from morse_jax.models.config import RopeSpec
 
 _forward = jax.jit(forward, static_argnames=("cfg", "logits_mode"))
@@ -105,7 +105,7 @@ def test_tiny_model_parity(case, tiny_hf_model):
     assert cfg.tie_embeddings == bool(hf.tie_word_embeddings)
     assert ("lm_head" in bb.params) == (not hf.tie_word_embeddings)
     n_torch = sum(p.numel() for p in model.parameters())  # tied weights are counted once by torch
-    assert sum(x.size for x in jax.tree.leaves(bb.params)) == n_torch == cfg.num_params()
+    assert sum(x.size for x in jax.tree.leaves(bb.params)) == n_torch == num_params(cfg)
 
 
 def test_sharded_checkpoint_loads(tiny_hf_model):

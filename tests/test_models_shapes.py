@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from morse_jax.models import from_hf_config, init_params
+from morse_jax.models import from_hf_config, init_params, num_params
 
 QWEN3_4B = dict(
     model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -67,7 +67,7 @@ def test_param_count_matches_transformers(name):
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(hf)
     theirs = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
-    assert ours == theirs == cfg.num_params()
+    assert ours == theirs == num_params(cfg)
     assert abs(ours - published) / published < 0.01
     assert all(x.dtype == "float32" for x in jax.tree.leaves(shapes))
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from morse_jax.models import ModelConfig
+from morse_jax.models import ModelConfig, num_params
 from morse_jax.mole.experts import ExpertBankSpec
 from morse_jax.parallel import (
     PRESETS,
@@ -241,7 +241,7 @@ def test_memory_plan_components():
     spec = ExpertBankSpec()
     cfg = PRESETS["Llama-3.1-8B"]
     one = memory_plan(cfg, spec, batch=4, cache_len=(2048, 4096), mesh_shape=(1, 1, 1), dtype="bfloat16")
-    assert one.components["backbone"] == cfg.num_params() * 2
+    assert one.components["backbone"] == num_params(cfg) * 2
     L, K, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     assert one.kv_cache[(16, 4096)] == 2 * L * 16 * 4096 * K * D * 2
     fsdp = memory_plan(cfg, spec, batch=4, cache_len=4096, mesh_shape=(1, 4, 1))

@@ -15,15 +15,10 @@ from morse_jax.models.loading import (
     load_backbone,
     load_tokenizer,
 )
-from morse_jax.models.transformer import (
-    LoraInputs,
-    forward,
-    init_cache,
-    init_params,
-    param_shapes,
-    split_segments,
-    unstack_segments,
-)
+from morse_jax.models.adapters import LoraInputs
+from morse_jax.models.params import init_params, num_params, param_shapes
+from morse_jax.models.segments import split_segments, unstack_segments
+from morse_jax.models.transformer import forward, init_cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -48,5 +43,5 @@ def logits(backbone: Backbone, tokens, valid=None) -> jax.Array:
 __all__ = [
     "Backbone", "LoraInputs", "ModelConfig", "RopeSpec", "WeightLoadError", "embedded_model_path",
     "forward", "from_hf_config", "init_cache", "init_params", "load_backbone", "load_tokenizer",
-    "logits", "param_shapes", "split_segments", "unstack_segments",
+    "logits", "num_params", "param_shapes", "split_segments", "unstack_segments",
 ]

@@ -257,7 +257,7 @@ class ModelConfig:
         """(d_in, d_out) of a LoRA target projection, the largest over all layers.
 
         Layers with smaller projections (Gemma 4's sliding layers next to wider full-attention
-        ones) use the leading rows/columns of such factors; see ``transformer._linear``.
+        ones) use the leading rows/columns of such factors; see ``adapters.fit_lora``.
         """
         d = self.hidden_size
         dims = []
@@ -268,24 +268,6 @@ class ModelConfig:
             dims.append({"q": (d, qd), "k": (d, kvd), "v": (d, kvd), "o": (qd, d), "gate": (d, f), "up": (d, f),
                          "down": (f, d)}[target])
         return max(a for a, _ in dims), max(b for _, b in dims)
-
-    def num_params(self) -> int:
-        """Parameter count implied by the config (matches ``init_params`` leaves)."""
-        from morse_jax.models.transformer import param_shapes  # local: avoid import cycle
-
-        return int(sum(math.prod(s) for s in _leaves(param_shapes(self))))
-
-
-def _leaves(tree):
-    """Shape tuples of a ``param_shapes`` tree (dicts and tuples of segments, down to int tuples)."""
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, (tuple, list)) and not all(isinstance(i, int) for i in tree):
-        for v in tree:
-            yield from _leaves(v)
-    else:
-        yield tree
 
 
 def _get(cfg, name, default=None):

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from morse_jax.models.config import ModelConfig, from_hf_config
 from morse_jax.models.hf_import import import_transformers
-from morse_jax.models.transformer import param_shapes
+from morse_jax.models.params import param_shapes
 
 log = logging.getLogger("morse_jax.models")
 

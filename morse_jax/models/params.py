@@ -1,7 +1,8 @@
 """Backbone parameter shapes and random initialisation (tests, shape checks, memory plans).
 
 Shapes per layer come from ``ModelConfig.layer_*`` (Gemma 4 layers differ), and the layers of a
-fresh tree are stacked in segments of identically shaped layers (:func:`segment_sizes`); see
+fresh tree are stacked in segments of identically shaped layers (:func:`segment_sizes`);
+:func:`num_params` counts them (here rather than on ``ModelConfig``: the config knows no params). See
 ``morse_jax.models.transformer`` for how segments run and ``morse_jax.models.segments`` for
 regrouping them.
 """
@@ -98,6 +99,12 @@ def param_shapes(cfg: ModelConfig) -> Params:
         shapes["ple_proj"] = (d, width)
         shapes["ple_norm"] = (cfg.per_layer_input_size,)
     return shapes
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Parameter count implied by the config (matches ``init_params`` leaves)."""
+    flat = jax.tree_util.tree_leaves(param_shapes(cfg), is_leaf=_is_shape)
+    return int(sum(math.prod(s) for s in flat))
 
 
 def _is_shape(x) -> bool:

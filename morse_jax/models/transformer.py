@@ -13,6 +13,11 @@ differ in shape (wider full-attention heads, no v where k = v, no k/v in KV-shar
 there every run of identically shaped layers is its own stacked segment and the adapted layers
 may span several; per-layer shapes come from ``ModelConfig.layer_*`` and the arrays themselves.
 
+Each layer is ``morse_jax.models.block.decoder_layer`` (the one block the sampler's prefill and
+decode step run too) in :class:`ModelLayout`, with LoRA through ``morse_jax.models.adapters``.
+:func:`forward` reads top-down: inputs (:func:`_embed`, :func:`_attention_inputs`), the layers
+(:func:`_run_layers`), the head (:func:`_head`).
+
 Shapes: B batch, T new tokens, S cache length, d hidden, H heads, K kv heads, D head dim.
 """
 
@@ -23,198 +28,90 @@ from typing import Any, NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from morse_jax.models.adapters import GROUPS, LayerLora, LoraInputs
+from morse_jax.models.block import LayerDims, RowsLayout, decoder_layer
 from morse_jax.models.config import ModelConfig
+from morse_jax.models.layers import (Rope, attend, attention_masks, embed, final_logits, per_layer_inputs,
+                                     positions_from_valid, rms_norm, rope_for)
 from morse_jax.models.params import init_params, layer_shapes, param_shapes, segment_sizes  # noqa: F401 - re-exported
 from morse_jax.models.segments import segment_len as _segment_len
 from morse_jax.models.segments import split_segments, unstack_segments  # noqa: F401 - re-exported
 
 Params = dict[str, Any]
-NEG_INF = -0.7 * float(np.finfo(np.float32).max)  # finite: fully-masked (padding) rows stay NaN-free
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-class LoraInputs(NamedTuple):
-    """Per-row LoRA deltas for the adapted segment, already gathered for each row.
+class ModelLayout(RowsLayout):
+    """The backbone's own weights: per target {"kernel": [d_in, d_out], "bias"?}, x @ W."""
 
-    Either gathered per row — a[target]: [L_adapt, B, K, d_in, r], b[target]: [L_adapt, B, K, r, d_out],
-    scale: [B, K] — or all experts with per-row weights — a: [L_adapt, E, d_in, r],
-    b: [L_adapt, E, r, d_out], scale: [B, E]. scale = expert weight * alpha / rank; 0 is an exact no-op.
-    Built by ``morse_jax.mole.experts.gather_lora``.
-    """
-
-    a: dict[str, jax.Array]
-    b: dict[str, jax.Array]
-    scale: jax.Array
-
-
-# --------------------------------------------------------------------------- parameters
+    @staticmethod
+    def linear(x, lp, group, out_dims):
+        out = {}
+        for t in GROUPS[group]:
+            if t in lp:
+                y = jnp.einsum("btd,df->btf", x, lp[t]["kernel"])
+                out[t] = y + lp[t]["bias"] if "bias" in lp[t] else y
+        return out
 
 
-# --------------------------------------------------------------------------- building blocks
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float) -> jax.Array:
-    """RMSNorm in float32, scale (offset + w); returns x's dtype."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * (offset + w.astype(jnp.float32))).astype(x.dtype)
-
-
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray, attention_scaling: float, dtype):
-    """cos, sin: [B, T, D] for rotate-half rotary embeddings (HF layout)."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return (jnp.cos(emb) * attention_scaling).astype(dtype), (jnp.sin(emb) * attention_scaling).astype(dtype)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [B, T, H, D]; cos/sin: [B, T, D]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-
-
-def _activation(name: str):
-    if name == "silu":
-        return jax.nn.silu
-    if name == "gelu_tanh":
-        return lambda x: jax.nn.gelu(x, approximate=True)
-    return lambda x: jax.nn.gelu(x, approximate=False)
-
-
-def _linear(x, p, target, lora, layer_lora):
-    y = jnp.einsum("btd,df->btf", x, p["kernel"])
-    if "bias" in p:
-        y = y + p["bias"]
-    if layer_lora is not None and target in layer_lora[0]:
-        a, b = _fit_lora(layer_lora[0][target], layer_lora[1][target], p["kernel"].shape, target)
-        scale = lora.scale.astype(x.dtype)[:, None, :, None]
-        if a.ndim == 4:  # gathered per row: [B, K, d_in, r], [B, K, r, d_out]
-            xa = jnp.einsum("btd,bkdr->btkr", x, a.astype(x.dtype)) * scale
-            y = y + jnp.einsum("btkr,bkro->bto", xa, b.astype(x.dtype))
-        else:  # all experts, per-row weights scattered over them: [E, d_in, r], [E, r, d_out]
-            xa = jnp.einsum("btd,edr->bter", x, a.astype(x.dtype)) * scale
-            y = y + jnp.einsum("bter,ero->bto", xa, b.astype(x.dtype))
-    return y
-
-
-def _fit_lora(a, b, kernel_shape, target):
-    """LoRA factors sized for the widest layer (``ModelConfig.target_dims``) cut to this layer's
-    projection: a narrower layer (Gemma 4 sliding next to full attention) uses the leading
-    input rows of A and output columns of B. Factors that are too small are an error."""
-    d_in, d_out = kernel_shape
-    if a.shape[-2] == d_in and b.shape[-1] == d_out:
-        return a, b
-    if a.shape[-2] < d_in or b.shape[-1] < d_out:
-        raise ValueError(f"LoRA factors for {target!r} are {a.shape[-2]} -> {b.shape[-1]} but a layer's projection "
-                         f"is {d_in} -> {d_out}; size expert banks with ModelConfig.target_dims")
-    return a[..., :d_in, :], b[..., :d_out]
-
-
-def rms_norm_unscaled(x: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm without a scale (Gemma 4's value norm), float32 statistics."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
-# --------------------------------------------------------------------------- forward
+def model_dims(lp: dict, num_heads: int) -> LayerDims:
+    """A layer's widths read off its (per-layer, unstacked) weights."""
+    D = lp["q"]["kernel"].shape[-1] // num_heads
+    K = lp["k"]["kernel"].shape[-1] // D if "k" in lp else 0
+    return LayerDims(num_heads, K, D, "k" in lp, "v" in lp, lp["gate"]["kernel"].shape[-1])
 
 
 class AttnInputs(NamedTuple):
-    cos_full: jax.Array  # [B, T, D_full]
-    sin_full: jax.Array
-    cos_slide: jax.Array  # [B, T, D_sliding]
-    sin_slide: jax.Array
+    """Per-call attention inputs shared by every layer: rotary tables and masks."""
+
+    rope_full: Rope  # (cos, sin) [B, T, D_full]
+    rope_slide: Rope  # [B, T, D_sliding]
     mask_full: jax.Array  # bool [B, T, S]
     mask_slide: jax.Array  # bool [B, T, S]
     write_index: jax.Array | None  # int32 [] when a cache is used
 
 
-def _rotary(attn: AttnInputs, sliding, D: int):
+def _rotary(attn: AttnInputs, sliding, D: int) -> Rope:
     """(cos, sin) for a layer of head dim D. Where full and sliding tables differ in width (Gemma
     4) the width says which one; otherwise ``sliding`` (possibly traced, under scan) selects."""
-    if attn.cos_full.shape[-1] == attn.cos_slide.shape[-1]:
-        return jnp.where(sliding, attn.cos_slide, attn.cos_full), jnp.where(sliding, attn.sin_slide, attn.sin_full)
-    if D == attn.cos_full.shape[-1]:
-        return attn.cos_full, attn.sin_full
-    return attn.cos_slide, attn.sin_slide
+    (cos_f, sin_f), (cos_s, sin_s) = attn.rope_full, attn.rope_slide
+    if cos_f.shape[-1] == cos_s.shape[-1]:
+        return jnp.where(sliding, cos_s, cos_f), jnp.where(sliding, sin_s, sin_f)
+    return attn.rope_full if D == cos_f.shape[-1] else attn.rope_slide
 
 
-def _block(cfg: ModelConfig, lp, x, sliding, attn: AttnInputs, cache_kv, lora, layer_lora, ple=None, shared=None):
-    """One decoder block.
+def _block(cfg: ModelConfig, lp, x, sliding, attn: AttnInputs, cache_kv, adapter, ple=None, shared=None):
+    """One decoder layer (``block.decoder_layer``) with the model's cache layout: keys/values
+    [B, S, K, D] written at ``attn.write_index``.
 
-    ``ple``: [B, T, p] this layer's per-layer input (Gemma 4), or None. ``shared``: (k, v) of the
-    layer whose keys/values a KV-shared layer (no k weights) attends to.
+    ``cache_kv``: this layer's (k_cache, v_cache) or None; ``shared``: (k, v) of the layer whose
+    keys/values a KV-shared layer (no k weights) attends to.
     Returns (x, (k_cache, v_cache) or None, (k, v) attended to).
     """
-    B, T, _ = x.shape
-    H = cfg.num_heads
-    D = lp["q"]["kernel"].shape[-1] // H
-    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    dims = model_dims(lp, cfg.num_heads)
 
-    h = rms_norm(x, lp["attn_norm"], eps, off)
-    q = _linear(h, lp["q"], "q", lora, layer_lora).reshape(B, T, H, D)
-    cos, sin = _rotary(attn, sliding, D)
-    new_cache = None
-    if "k" in lp:
-        K = lp["k"]["kernel"].shape[-1] // D
-        k = _linear(h, lp["k"], "k", lora, layer_lora).reshape(B, T, K, D)
-        # Gemma 4 full-attention layers without v weights use the k projection as values
-        v = _linear(h, lp["v"], "v", lora, layer_lora).reshape(B, T, K, D) if "v" in lp else k
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], eps, off)
-            k = rms_norm(k, lp["k_norm"], eps, off)
-        if cfg.v_norm:
-            v = rms_norm_unscaled(v, eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache_kv is not None:
+    def attention(q, k, v):
+        new_cache = None
+        if k is None:  # KV-shared layer
+            k, v = (t.astype(x.dtype) for t in shared)
+        elif cache_kv is not None:
             ck, cv = cache_kv
             ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, attn.write_index, 0, 0))
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, attn.write_index, 0, 0))
             new_cache = (ck, cv)
             k, v = ck.astype(x.dtype), cv.astype(x.dtype)
-    else:  # KV-shared layer
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], eps, off)
-        q = apply_rope(q, cos, sin)
-        k, v = (t.astype(x.dtype) for t in shared)
-        K = k.shape[2]
+        mask = jnp.where(sliding, attn.mask_slide, attn.mask_full)  # [B, T, S]
+        return attend(q, k, v, mask, cfg), (new_cache, (k, v))
 
-    mask = jnp.where(sliding, attn.mask_slide, attn.mask_full)  # [B, T, S]
-    qg = q.reshape(B, T, K, H // K, D)
-    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k).astype(jnp.float32) * cfg.scale
-    if cfg.attn_logit_softcap:
-        logits = jnp.tanh(logits / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
-    logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
-    probs = jax.nn.softmax(logits, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H * D)
-    out = _linear(out, lp["o"], "o", lora, layer_lora)
-    if cfg.post_norms:
-        out = rms_norm(out, lp["post_attn_norm"], eps, off)
-    x = x + out
-
-    h = rms_norm(x, lp["mlp_norm"], eps, off)
-    act = _activation(cfg.activation)
-    gate = _linear(h, lp["gate"], "gate", lora, layer_lora)
-    up = _linear(h, lp["up"], "up", lora, layer_lora)
-    out = _linear(act(gate) * up, lp["down"], "down", lora, layer_lora)
-    if cfg.post_norms:
-        out = rms_norm(out, lp["post_mlp_norm"], eps, off)
-    x = x + out
-    if ple is not None:  # Gemma 4 per-layer input: a gated residual branch after the MLP
-        g = act(_linear(x, lp["ple_gate"], "ple_gate", None, None)) * ple
-        x = x + rms_norm(_linear(g, lp["ple_out"], "ple_out", None, None), lp["ple_post_norm"], eps, off)
-    if "layer_scalar" in lp:
-        x = x * lp["layer_scalar"].astype(x.dtype)
-    return x, new_cache, (k, v)
+    x, (new_cache, used) = decoder_layer(cfg, ModelLayout, lp, x, dims, _rotary(attn, sliding, dims.head_dim),
+                                         attention, adapter, ple)
+    return x, new_cache, used
 
 
 def _run_segment(cfg, seg, layer_ids, x, attn, seg_cache, lora, ple=None, shared=None, want_kv=False,
                  kv_store=None):
     """Run one segment. ``lora``: LoraInputs for every layer of a stacked segment; for an unrolled
-    one, per layer (a, b, LoraInputs) or None (see ``_segment_lora``).
+    one, per layer a LayerLora or None (see ``_segment_lora``).
 
     layer_ids: the segment's (global) layer indices. KV sharing (Gemma 4): a stacked segment of
     KV-shared layers attends to ``shared`` (k, v); with ``want_kv`` it also returns every layer's
@@ -228,12 +125,10 @@ def _run_segment(cfg, seg, layer_ids, x, attn, seg_cache, lora, ple=None, shared
         modes = cfg.kv_sharing_modes
         new_caches = []
         for i, lp in enumerate(seg):
-            entry = None if lora is None else lora[i]
-            lora_i, layer_lora = (None, None) if entry is None else (entry[2], entry[:2])
             kv = None if seg_cache is None or seg_cache[i] is None else (seg_cache[i]["k"], seg_cache[i]["v"])
             gid = layer_ids[i]
             shared_i = kv_store[cfg.kv_producer(gid)] if modes[gid] == "reuse" else None
-            x, nc, used = _block(cfg, lp, x, bool(flags[i]), attn, kv, lora_i, layer_lora,
+            x, nc, used = _block(cfg, lp, x, bool(flags[i]), attn, kv, None if lora is None else lora[i],
                                  None if ple is None else ple[i], shared_i)
             if modes[gid] == "store":
                 kv_store[gid] = used
@@ -242,7 +137,8 @@ def _run_segment(cfg, seg, layer_ids, x, attn, seg_cache, lora, ple=None, shared
 
     def body(x, xs):
         lp, sliding, kv, layer_lora, ple_i = xs
-        x, nc, used = _block(cfg, lp, x, sliding, attn, kv, lora, layer_lora, ple_i, shared)
+        adapter = None if layer_lora is None else LayerLora(*layer_lora, lora.scale)
+        x, nc, used = _block(cfg, lp, x, sliding, attn, kv, adapter, ple_i, shared)
         return x, (nc, used if want_kv else None)
 
     kv = None if seg_cache is None else (seg_cache["k"], seg_cache["v"])
@@ -284,20 +180,6 @@ def init_cache(cfg: ModelConfig, params: Params, batch: int, max_len: int, dtype
     return {"layers": tuple(segs), "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
 
 
-def per_layer_inputs(params: Params, cfg: ModelConfig, tokens: jax.Array, x: jax.Array) -> jax.Array:
-    """Gemma 4 per-layer embeddings: [B, T, L, p] from token ids and the scaled input embeddings x.
-
-    A token-identity part (a second embedding table, scaled by sqrt(p)) plus a context part (a
-    projection of x scaled by 1/sqrt(d), RMS-normalised per layer), averaged with 1/sqrt(2).
-    """
-    B, T = tokens.shape
-    L, p, dtype = cfg.num_layers, cfg.per_layer_input_size, x.dtype
-    ids = jnp.take(params["ple_embed"], tokens, axis=0).reshape(B, T, L, p) * jnp.asarray(p ** 0.5, dtype)
-    proj = jnp.einsum("btd,df->btf", x, params["ple_proj"]) * jnp.asarray(cfg.hidden_size ** -0.5, dtype)
-    proj = rms_norm(proj.reshape(B, T, L, p), params["ple_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    return (proj + ids) * jnp.asarray(2 ** -0.5, dtype)
-
-
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -337,54 +219,64 @@ def forward(
     """
     chex.assert_rank(tokens, 2)
     B, T = tokens.shape
-    if valid is None:
-        valid = jnp.ones((B, T), bool)
-    valid = valid.astype(bool)
-    if positions is None:
-        positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-        if cache is not None:  # continue from the tokens already cached
-            positions = positions + jnp.sum(cache["valid"], axis=1, keepdims=True)
-    dtype = params["embed"].dtype
+    valid = jnp.ones((B, T), bool) if valid is None else valid.astype(bool)
+    if positions is None:  # after the tokens already cached, if any
+        positions = positions_from_valid(valid, None if cache is None else jnp.sum(cache["valid"], axis=1))
     _check_layer_range(cfg, start_layer, hidden, stop_layer, (B, T))
+    if stop_layer is None and logits_mode not in ("all", "last", "hidden"):
+        raise ValueError(f"logits_mode must be 'all', 'last' or 'hidden', got {logits_mode!r}")
 
-    x = jnp.take(params["embed"], tokens, axis=0)
-    if cfg.embed_scale:
-        x = x * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
+    x, ple = _embed(params, cfg, tokens, start_layer, hidden)
+    attn, key_valid = _attention_inputs(cfg, valid, positions, cache, params["embed"].dtype)
+    x, new_segs = _run_layers(params, cfg, x, attn, cache, lora, ple, start_layer, stop_layer)
+    new_cache = None if cache is None else {"layers": new_segs, "valid": key_valid, "index": attn.write_index + T}
+    if stop_layer is not None:
+        return x, new_cache
+    return _head(params, cfg, x, logits_mode), new_cache
+
+
+def _embed(params: Params, cfg: ModelConfig, tokens, start_layer: int, hidden):
+    """The residual stream entering ``start_layer`` [B, T, d] and Gemma 4's per-layer inputs
+    [L, B, T, p] (None for other families)."""
+    x = embed(params["embed"], tokens, cfg)
     ple = None
-    if cfg.per_layer_input_size:
-        ple = jnp.moveaxis(per_layer_inputs(params, cfg, tokens, x), 2, 0)  # [L, B, T, p]
+    if cfg.per_layer_input_size:  # from the token embeddings, also when starting later
+        ple = jnp.moveaxis(per_layer_inputs(params, cfg, tokens, x), 2, 0)
     if start_layer:
-        x = hidden.astype(dtype)
+        x = hidden.astype(params["embed"].dtype)
+    return x, ple
 
+
+def _attention_inputs(cfg: ModelConfig, valid, positions, cache, dtype) -> tuple[AttnInputs, jax.Array]:
+    """Rotary tables and masks for T new tokens (written at ``cache["index"]`` with a cache), and
+    the keys' validity bool[B, S] after this call."""
+    T = valid.shape[1]
     q_idx = jnp.arange(T)
     if cache is None:
-        key_valid, k_idx, write_index = valid, jnp.arange(T), None
+        key_valid, write_index = valid, None
     else:
         write_index = cache["index"]
         q_idx = q_idx + write_index
         key_valid = jax.lax.dynamic_update_slice(cache["valid"], valid, (0, write_index))
-        k_idx = jnp.arange(key_valid.shape[1])
-    causal = k_idx[None, :] <= q_idx[:, None]  # [T, S]
-    mask_full = key_valid[:, None, :] & causal[None]
-    if cfg.sliding_window:
-        in_window = (q_idx[:, None] - k_idx[None, :]) < cfg.sliding_window
-        mask_slide = mask_full & in_window[None]
-    else:
-        mask_slide = mask_full
-    cos_f, sin_f = rope_tables(positions, cfg.rope_full.inv_freq(cfg.full_head_dim), cfg.rope_full.attention_scaling,
-                               dtype)
-    rs = cfg.rope_sliding or cfg.rope_full
-    cos_s, sin_s = rope_tables(positions, rs.inv_freq(cfg.head_dim), rs.attention_scaling, dtype)
-    attn = AttnInputs(cos_f, sin_f, cos_s, sin_s, mask_full, mask_slide, write_index)
+    mask_full, mask_slide = attention_masks(cfg, key_valid, q_idx)
+    rope_full, rope_slide = rope_for(cfg, positions, dtype)
+    return AttnInputs(rope_full, rope_slide, mask_full, mask_slide, write_index), key_valid
 
+
+def _run_layers(params: Params, cfg: ModelConfig, x, attn: AttnInputs, cache, lora, ple, start_layer: int,
+                stop_layer: int | None):
+    """Run the segments covering layers start_layer..stop_layer-1 on x [B, T, d].
+
+    Returns (x, per-segment new caches: skipped segments' entries passed through, None without a
+    cache)."""
     offset, modes = 0, cfg.kv_sharing_modes
     stored: dict[int, tuple] = {}  # producer layer -> its attended (k, v), for KV-shared layers
     n_lora = 0 if lora is None else next(iter(lora.a.values())).shape[0]
     if n_lora > cfg.num_layers:
         raise ValueError(f"LoRA covers {n_lora} layers but the model has {cfg.num_layers}")
     first_lora = cfg.num_layers - n_lora
-    segs, new_segs = params["layers"], []
-    for si, seg in enumerate(segs):
+    new_segs = []
+    for si, seg in enumerate(params["layers"]):
         n = _segment_len(seg)
         idx = range(offset, offset + n)
         unrolled = isinstance(seg, (tuple, list))
@@ -409,25 +301,19 @@ def forward(
                     stored[i] = (nc["k"][j], nc["v"][j]) if cache is not None else (used[0][j], used[1][j])
         new_segs.append(nc)
         offset += n
+    return x, tuple(new_segs)
 
-    new_cache = None
-    if cache is not None:
-        new_cache = {"layers": tuple(new_segs), "valid": key_valid, "index": write_index + T}
 
-    if stop_layer is not None:
-        return x, new_cache
+def _head(params: Params, cfg: ModelConfig, x, logits_mode: str):
+    """Final norm, then the LM head (float32 logits [B, T, V], or [B, V] for "last") unless
+    ``logits_mode`` is "hidden"."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     if logits_mode == "hidden":
-        return x, new_cache
+        return x
     if logits_mode == "last":
         x = x[:, -1]
-    elif logits_mode != "all":
-        raise ValueError(f"logits_mode must be 'all', 'last' or 'hidden', got {logits_mode!r}")
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    logits = jnp.einsum("...d,dv->...v", x, head).astype(jnp.float32)
-    if cfg.final_logit_softcap:
-        logits = jnp.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-    return logits, new_cache
+    return final_logits(jnp.einsum("...d,dv->...v", x, head), cfg)
 
 
 def _check_layer_range(cfg: ModelConfig, start: int, hidden, stop: int | None, bt: tuple[int, int]) -> None:
@@ -450,7 +336,7 @@ def _segment_lora(lora, offset, n, first_lora, n_lora, unrolled):
     """The part of ``lora`` (covering layers first_lora..L-1) that applies to layers offset..offset+n-1.
 
     Stacked segments get LoraInputs over their layers (or None); unrolled ones a list of per-layer
-    (a, b, LoraInputs) entries (None outside the adapted layers).
+    LayerLora entries (None outside the adapted layers).
     """
     if lora is None or offset + n <= first_lora:
         return None
@@ -458,8 +344,8 @@ def _segment_lora(lora, offset, n, first_lora, n_lora, unrolled):
         out = []
         for i in range(offset, offset + n):
             j = i - first_lora
-            out.append(None if j < 0 else ({t: a[j] for t, a in lora.a.items()}, {t: b[j] for t, b in lora.b.items()},
-                                           lora))
+            out.append(None if j < 0 else LayerLora({t: a[j] for t, a in lora.a.items()},
+                                                    {t: b[j] for t, b in lora.b.items()}, lora.scale))
         return out
     if offset < first_lora:
         raise ValueError(f"LoRA covers the last {n_lora} layers but a stacked segment spans layers {offset}.."

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from morse_jax.models.config import ModelConfig, RopeSpec
-from morse_jax.models.transformer import param_shapes
+from morse_jax.models.params import num_params, param_shapes
 from morse_jax.mole.experts import ExpertBankSpec, target_dims
 from morse_jax.parallel.mesh import AXES
 from morse_jax.parallel.sharding import logical_spec, param_logical_axes
@@ -256,7 +256,7 @@ def memory_table(models: Mapping[str, ModelConfig] | None = None, meshes: Sequen
             kv = p.kv_cache[(kb, ks)]
             fits = "yes" if p.peak <= device_gb * GB else "no"
             rows.append(
-                f"| {name} | {cfg.num_params() / 1e9:.1f} B | {math.prod(m)} | {tuple(m)} | "
+                f"| {name} | {num_params(cfg) / 1e9:.1f} B | {math.prod(m)} | {tuple(m)} | "
                 f"{(c['backbone'] + c['sampler copy']) / GB:.1f} GB | "
                 f"{(c['experts + router'] + c['gradients'] + c['optimizer states']) / GB:.2f} GB | "
                 f"{kv / GB:.1f} GB ({kb}x{ks}) | {c['update activations'] / GB:.1f} GB | {p.peak / GB:.1f} GB | "

@@ -192,7 +192,7 @@ class ModelConfig:
         if not 0 <= self.num_kv_shared_layers < self.num_layers:
             raise ValueError(f"ModelConfig.num_kv_shared_layers must be in [0, {self.num_layers}), "
                              f"got {self.num_kv_shared_layers}")
-        self.kv_sharing_modes  # validates that every shared layer type has a producer
+        _ = self.kv_sharing_modes  # validates that every shared layer type has a producer
 
     @property
     def scale(self) -> float:

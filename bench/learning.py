@@ -2,7 +2,7 @@
 
     python bench/learning.py --variants A,B,C,D --seeds 0 1 2 --steps 20 --eval-every 5 --workdir runs/learning
 
-Each (variant, seed) trains through the main job (:class:`morse_jax.run.build.Job`, the config
+Each (variant, seed) trains through the main job (:class:`morse_jax.run.build.Job`, ``run.train_loop.train``, the config
 ``configs/learn_cpu.py:<variant>`` with ``seed``) in chunks of ``--eval-every`` steps (each chunk
 resumes from the previous chunk's checkpoint), and after every chunk (and before the first)
 evaluates the fixed first ``--eval-tasks`` tasks of the iid and of the OOD split with greedy
@@ -57,9 +57,11 @@ def apply_overrides(cfg, overrides):
 
 
 def eval_record(job, step: int, iid, ood) -> dict:
+    from morse_jax.run.evaluate import evaluate
+
     rec = {"step": step}
     for split, tasks in (("iid", iid), ("ood", ood)):
-        m = job.evaluate(tasks=tasks)
+        m = evaluate(job, tasks=tasks)
         rec[split] = {k: v for k, v in m.items() if isinstance(v, (int, float))}
         if split == "iid":
             rec["router_entropy"] = router_entropy(m.get("router_probs", []))
@@ -73,6 +75,7 @@ def run_one(args, variant: str, seed: int, iid, ood, step0: dict | None = None) 
     from morse_jax.config.validate import validate_config
     from morse_jax.run.build import Job
     from morse_jax.run.metrics_log import MetricsWriter
+    from morse_jax.run.train_loop import train
 
     run_dir = Path(args.workdir) / f"{variant}_s{seed}"
     done = run_dir / "learning_run.json"
@@ -99,7 +102,7 @@ def run_one(args, variant: str, seed: int, iid, ood, step0: dict | None = None) 
     if job.trains:
         for target in list(range(args.eval_every, args.steps, args.eval_every)) + [args.steps]:
             cfg.train.steps = target
-            job.train(writer)
+            train(job, writer)
             evals.append(eval_record(job, target, iid, ood))
             print(f"[{variant} seed {seed}] step {target}: iid {100 * evals[-1]['iid']['reward']:.1f} "
                   f"ood {100 * evals[-1]['ood']['reward']:.1f} ({time.time() - t0:.0f}s)", flush=True)
@@ -132,10 +135,10 @@ def main(argv=None) -> int:
     unknown = [v for v in variants if v not in ("A", "B", "B++", "C", "D")]
     if unknown:
         ap.error(f"--variants: unknown {unknown}; choose from A, B, B++, C, D")
-    from morse_jax.main import _quiet_logs
+    from morse_jax.run.session import quiet_logs
     from morse_jax.tasks.pyfuncs.data import load_split
 
-    _quiet_logs()
+    quiet_logs()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     iid, ood = load_split("iid", args.eval_tasks), load_split("ood", args.eval_tasks)

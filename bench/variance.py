@@ -158,10 +158,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="also write the figures as JSON here")
     args = ap.parse_args(argv)
-    from morse_jax.main import _quiet_logs
+    from morse_jax.run.session import quiet_logs
     from morse_jax.rl.hgrpo import get_advantage_fn
 
-    _quiet_logs()
+    quiet_logs()
     data, loaded = collect(args)
     rng = np.random.default_rng(args.seed)
     res = {"experts": loaded, "perturb": args.perturb, "nodes": len(data), "B": args.routes, "M": args.group,

@@ -282,7 +282,7 @@ def test_kill9_at_each_phase_resumes_from_the_last_complete_checkpoint(tmp_path)
     verification, after the update, after the metrics record and during the checkpoint write;
     each rerun resumes from the newest complete checkpoint, and the finished run has exactly one
     metrics record per step."""
-    from morse_jax.run.build import KILL_AT_ENV
+    from morse_jax.run.faults import KILL_AT_ENV
 
     wd = tmp_path / "run"
 

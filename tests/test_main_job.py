@@ -150,6 +150,7 @@ def test_single_agent_lora_rl_trains(tmp_path):
     from morse_jax.config.validate import validate_config
     from morse_jax.run.build import Job
     from morse_jax.run.metrics_log import MetricsWriter
+    from morse_jax.run.train_loop import train
     from morse_jax.tasks.base import VerifyResult
 
     spec = importlib.util.spec_from_file_location("quickstart", REPO / "configs" / "quickstart.py")
@@ -177,7 +178,7 @@ def test_single_agent_lora_rl_trains(tmp_path):
 
     job.family = AlternatingReward()
     before = [np.asarray(x).copy() for x in jax.tree.leaves(job.trainable["bank"])]
-    last = job.train(MetricsWriter(tmp_path / "run", enabled=False))
+    last = train(job, MetricsWriter(tmp_path / "run", enabled=False))
     steps = [s.step_id for s in job.train_tasks[0].payload.testable_steps]
     assert last["nodes_total"] == len(steps)
     assert last["sequences"] >= 4 and last["sequences"] % 4 == 0  # B x M candidates per call, single LoRA

@@ -53,7 +53,7 @@ def test_metrics_drop_after_keeps_other_kinds(tmp_path):
 
 def test_report_gathers_other_variants_run_on_the_same_eval_set(tmp_path):
     from morse_jax.config.defaults import get_config
-    from morse_jax.main import _comparable, _sibling_evals
+    from morse_jax.run.report import comparable, sibling_evals
 
     cfg = get_config()
     for name, variant, model in (("quickstart_B", "B", "embedded"), ("quickstart_A", "A", "embedded"),
@@ -61,8 +61,8 @@ def test_report_gathers_other_variants_run_on_the_same_eval_set(tmp_path):
         (tmp_path / name).mkdir()
         c = get_config()
         c.variant, c.model.path = variant, model
-        (tmp_path / name / "eval.json").write_text(json.dumps({"comparable": _comparable(c),
+        (tmp_path / name / "eval.json").write_text(json.dumps({"comparable": comparable(c),
                                                                "metrics": {"variant": variant}}))
     (tmp_path / "quickstart").mkdir()
-    got = _sibling_evals(tmp_path / "quickstart", cfg)
+    got = sibling_evals(tmp_path / "quickstart", cfg)
     assert sorted(m["variant"] for m in got) == ["A", "B"]  # the other model's run is not comparable

@@ -21,7 +21,7 @@ set_log_prob = jax.jit(R.set_log_prob)
 sample_route = jax.jit(R.sample_route, static_argnums=2)
 greedy_route = jax.jit(R.greedy_route, static_argnums=1)
 subtask_embedding = jax.jit(R.subtask_embedding, static_argnames=("max_tokens",))
-route = jax.jit(R.route, static_argnames=("k", "greedy", "approx", "max_tokens"))
+draw_routes = jax.jit(R.draw_routes, static_argnames=("k", "num_samples", "greedy", "approx_set_logp", "max_tokens"))
 init_router = jax.jit(
     R.init_router, static_argnums=1, static_argnames=("num_experts", "dim", "dtype")
 )
@@ -385,9 +385,9 @@ def test_subtask_embedding_all_masked_row_is_zero_and_frozen():
     def run(table):
         emb = R.subtask_embedding(table, ids, mask)
         grad = jax.grad(lambda t: jnp.sum(R.subtask_embedding(t, ids, mask) ** 2))(table)
-        return emb, grad, R.route(params, table, ids, mask, k=2, greedy=True)
+        return emb, grad, R.draw_routes(params, table, ids, mask, None, k=2, greedy=True)
 
-    emb, grad, (members, probs, logp) = run(table)
+    emb, grad, (members, logp, probs) = run(table)
     np.testing.assert_array_equal(np.asarray(emb[0]), 0.0)
     np.testing.assert_allclose(emb[1], table[[4, 5]].mean(0), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(grad), 0.0)  # frozen backbone: no gradient
@@ -408,7 +408,7 @@ def test_subtask_embedding_dtype_and_validation():
 
 
 # ------------------------------------------------------------------------------------------
-# route(): jit and batching
+# draw_routes(): jit, batching and several draws
 # ------------------------------------------------------------------------------------------
 
 
@@ -423,7 +423,9 @@ def _route_inputs(n=6, t=9, d=16):
 def test_route_jit_and_batching():
     params, table, ids, mask = _route_inputs()
     key = jax.random.PRNGKey(11)
-    members, probs, logp = (np.asarray(x) for x in route(params, table, ids, mask, key=key, k=2))
+    members, logp, probs = (np.asarray(x) for x in draw_routes(params, table, ids, mask, key, k=2))
+    assert members.shape == (6, 1, 2) and logp.shape == (6, 1)
+    members, logp = members[:, 0], logp[:, 0]
     assert members.shape == (6, 2) and members.dtype == np.int32
     assert probs.shape == (6, 4) and logp.shape == (6,)
     assert (members[:, 0] != members[:, 1]).all()
@@ -433,10 +435,10 @@ def test_route_jit_and_batching():
         """Each subtask routed on its own (a batch of one), vmapped over the rows."""
 
         def one(ids_row, mask_row, members_row):
-            m, p, approx = R.route(
-                params, table, ids_row[None], mask_row[None], k=2, greedy=True, approx=True
+            m, approx, p = R.draw_routes(
+                params, table, ids_row[None], mask_row[None], None, k=2, greedy=True, approx_set_logp=True
             )
-            return m[0], p[0], approx[0], R.set_log_prob(p, members_row[None])[0]
+            return m[0, 0], p[0], approx[0, 0], R.set_log_prob(p, members_row[None])[0]
 
         return jax.vmap(one)(ids, mask, members)
 
@@ -451,4 +453,22 @@ def test_route_jit_and_batching():
 def test_route_requires_key_when_sampling():
     params, table, ids, mask = _route_inputs()
     with pytest.raises(ValueError, match="key"):
-        R.route(params, table, ids, mask, greedy=False)
+        R.draw_routes(params, table, ids, mask, None, k=2, greedy=False)
+
+
+def test_draw_routes_several_samples_are_independent_draws_with_their_set_likelihood():
+    """S draws per subtask: each a set of k distinct experts, its log-likelihood the exact
+    Plackett-Luce set probability (computed here by enumerating orders), greedy ignores S."""
+    params, table, ids, mask = _route_inputs(n=3)
+    members, logp, probs = (np.asarray(x) for x in draw_routes(params, table, ids, mask, jax.random.PRNGKey(3),
+                                                                k=2, num_samples=5))
+    assert members.shape == (3, 5, 2) and logp.shape == (3, 5) and probs.shape == (3, 4)
+    assert (members[..., 0] != members[..., 1]).all()
+    for n in range(3):
+        for s in range(5):
+            a, b = members[n, s]
+            p = probs[n].astype(np.float64)
+            want = p[a] * p[b] / (1 - p[a]) + p[b] * p[a] / (1 - p[b])
+            np.testing.assert_allclose(logp[n, s], np.log(want), rtol=1e-5)
+    g_members, g_logp, _ = draw_routes(params, table, ids, mask, None, k=2, num_samples=5, greedy=True)
+    assert g_members.shape == (3, 1, 2) and g_logp.shape == (3, 1)

@@ -55,10 +55,13 @@ def _check_positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def _check_k(k: Any, num_experts: int, name: str = "k") -> int:
+def check_top_k(k: Any, num_experts: int, name: str = "k", experts_name: str = "K_s") -> int:
+    """k as an int, or ValueError unless 1 <= k <= K_s: the one "K <= K_s" rule (a set of k
+    distinct experts is drawn from K_s). `name` / `experts_name` name the two in the message
+    (config validation passes the config fields)."""
     k = _check_positive_int(k, name)
     if k > num_experts:
-        raise ValueError(f"{name}={k} exceeds the number of experts K_s={num_experts}")
+        raise ValueError(f"{name}: {k} exceeds {experts_name}={num_experts}")
     return k
 
 
@@ -220,7 +223,7 @@ def sample_route(key: Array, probs: Array, k: int) -> Array:
       int32[N, k], distinct within each row, in decreasing perturbed-score order.
     """
     chex.assert_rank(probs, 2)
-    k = _check_k(k, probs.shape[-1])
+    k = check_top_k(k, probs.shape[-1])
     gumbel = jax.random.gumbel(key, probs.shape, dtype=_float_dtype(probs.dtype))
     scores = _safe_log(probs.astype(gumbel.dtype)) + gumbel
     _, idx = jax.lax.top_k(jax.lax.stop_gradient(scores), k)
@@ -230,7 +233,7 @@ def sample_route(key: Array, probs: Array, k: int) -> Array:
 def greedy_route(probs: Array, k: int) -> Array:
     """The k most probable experts per row. float[N, K_s] -> int32[N, k], descending."""
     chex.assert_rank(probs, 2)
-    k = _check_k(k, probs.shape[-1])
+    k = check_top_k(k, probs.shape[-1])
     _, idx = jax.lax.top_k(jax.lax.stop_gradient(probs), k)
     return idx.astype(jnp.int32)
 
@@ -261,7 +264,7 @@ def set_log_prob(probs: Array, members: Array) -> Array:
     chex.assert_rank([probs, members], 2)
     chex.assert_equal_shape_prefix([probs, members], 1)
     num_experts = probs.shape[-1]
-    k = _check_k(members.shape[-1], num_experts, name="members.shape[-1]")
+    k = check_top_k(members.shape[-1], num_experts, name="members.shape[-1]")
     if k > MAX_EXACT_SET_SIZE:
         raise ValueError(
             f"members.shape[-1]={k}: the exact set likelihood enumerates k! orderings and is "
@@ -367,42 +370,53 @@ def router_regularizer(
 
 
 # --------------------------------------------------------------------------------------------
-# Convenience
+# Drawing routes
 # --------------------------------------------------------------------------------------------
 
 
-def route(
+def draw_routes(
     params: RouterParams,
     embed_table: Array,
     token_ids: Array,
     mask: Array,
+    key: Array | None,
     *,
-    key: Array | None = None,
-    k: int = 2,
-    temperature: float = 1.0,
+    k: int,
+    num_samples: int = 1,
     greedy: bool = False,
-    approx: bool = False,
+    approx_set_logp: bool = False,
+    temperature: float = 1.0,
     max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> tuple[Array, Array, Array]:
-    """Embed, score and route N subtasks in one call.
+    """Embed and score N subtasks, then draw `num_samples` expert sets of size k for each.
 
-    Under jit mark `k`, `greedy`, `approx` and `max_tokens` static.
+    Sampling splits `key` into `num_samples` keys, one Gumbel-top-k draw each (the draws of a
+    row are independent); `greedy` takes the top-k once (S = 1 whatever `num_samples` is).
+    Under jit mark `k`, `num_samples`, `greedy`, `approx_set_logp` and `max_tokens` static.
 
     Args:
-      params: router params; embed_table: float[V, d_model];
+      params: router params; embed_table: float[V, d_model] frozen input embeddings;
       token_ids: int[N, T]; mask: bool/int[N, T] (see `subtask_embedding`).
       key: PRNG key, required unless `greedy`.
-      k: experts per subtask (static). temperature: softmax temperature (> 0).
+      k: experts per subtask (static), 1 <= k <= K_s.
+      num_samples: S, independent draws per subtask when sampling (static).
       greedy: top-k (inference) instead of Gumbel-top-k sampling (training).
-      approx: use the authors' sum-of-log-probs approximation instead of the exact likelihood.
+      approx_set_logp: the authors' sum-of-log-probs instead of the exact set likelihood.
+      temperature: softmax temperature (> 0).
 
     Returns:
-      (members int32[N, k], probs float[N, K_s], set_logp float[N]).
+      (members int32[N, S, k], set_logp float[N, S], probs float[N, K_s]).
     """
     if not greedy and key is None:
         raise ValueError("key is required when greedy=False (routes are sampled)")
+    num_samples = _check_positive_int(num_samples, "num_samples")
     emb = subtask_embedding(embed_table, token_ids, mask, max_tokens=max_tokens)
     probs = router_probs(params, emb, temperature=temperature)
-    members = greedy_route(probs, k) if greedy else sample_route(key, probs, k)
-    set_logp = (approx_set_log_prob if approx else set_log_prob)(probs, members)
-    return members, probs, set_logp
+    if greedy:
+        members = greedy_route(probs, k)[:, None]
+    else:
+        members = jnp.stack([sample_route(kk, probs, k) for kk in jax.random.split(key, num_samples)], 1)
+    n, s = members.shape[:2]
+    set_fn = approx_set_log_prob if approx_set_logp else set_log_prob
+    set_logp = set_fn(jnp.repeat(probs, s, axis=0), members.reshape(n * s, k)).reshape(n, s)
+    return members, set_logp, probs

@@ -1,4 +1,5 @@
-"""report.md / report.json and PNG plots in the work directory, in the paper's table layouts."""
+"""report.md / report.json and PNG plots in the work directory, in the paper's table layouts, and
+which sibling runs' evaluations share its results table (``comparable``, ``sibling_evals``)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,27 @@ def write_report(workdir: str | Path, *, family: str, evals: Sequence[Mapping[st
                                                      "run": dict(run_info or {}), "plots": plots}, indent=2,
                                                     default=str))
     return workdir / "report.md"
+
+
+def comparable(cfg) -> dict:
+    """What must match for two runs' evaluations to share one results table."""
+    d = cfg.data
+    return {"model": cfg.model.path, "family": d.family, "eval": d.eval, "eval_ids": list(d.eval_ids),
+            "max_eval_tasks": d.max_eval_tasks, "eval_max_new_tokens": cfg.rollout.eval_max_new_tokens}
+
+
+def sibling_evals(workdir: Path, cfg) -> list[dict]:
+    """Evaluations of other variants next to this work directory on the same model and eval set,
+    so report.md's Table 1/2 lists every variant that was run (e.g. runs/quickstart_B)."""
+    out = []
+    for f in sorted(workdir.resolve().parent.glob("*/eval.json")):
+        if f.parent == workdir.resolve():
+            continue
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("comparable") == json.loads(json.dumps(comparable(cfg))) and \
+                rec["metrics"].get("variant") != cfg.variant:
+            out.append(rec["metrics"])
+    return out

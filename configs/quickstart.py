@@ -8,7 +8,8 @@ same loop: ``--config configs/quickstart.py:B`` (A, B, B++, C, D, single_agent, 
 runs/quickstart_<variant>.
 """
 
-from morse_jax.config.defaults import apply_variant, get_config as defaults, variant_dir
+from morse_jax.config.defaults import get_config as defaults
+from morse_jax.config.variants import apply_variant, variant_dir
 
 
 def get_config(variant="D"):

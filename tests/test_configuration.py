@@ -11,7 +11,8 @@ import ml_collections
 import pytest
 
 from morse_jax.config.validate import ConfigError, validate_config
-from morse_jax.config.defaults import VARIANT_OVERLAYS, VARIANTS, get_config as defaults
+from morse_jax.config.defaults import get_config as defaults
+from morse_jax.config.variants import VARIANT_OVERLAYS, VARIANTS
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
@@ -136,8 +137,8 @@ def test_training_a_variant_without_adapters_fails_naming_mode():
 def test_variant_training_and_structure_are_independent_settings():
     """Table 4 row 2 (single-agent LoRA RL): one LoRA, one call per task, trained with GRPO. Whether
     a variant trains is config.mode and whether it plans a DAG is rollout.single_agent."""
-    from morse_jax.config.derived import bank_spec, trains, variant_of
-    from morse_jax.config.defaults import apply_variant
+    from morse_jax.config.derived import bank_spec
+    from morse_jax.config.variants import apply_variant, trains, variant_of
 
     rl = apply_variant(defaults(), "single_agent_rl")
     validate_config(rl, check_paths=False)
@@ -157,8 +158,8 @@ def test_variant_training_and_structure_are_independent_settings():
                                                    ("B", 40, 40), ("single_agent_rl", 16, 16)])
 def test_single_lora_rank_follows_the_config(variant, override, rank):
     """The B++ rank was hard-coded to 48 in the job on top of the config; the config is the one source."""
-    from morse_jax.config.defaults import apply_variant
     from morse_jax.config.derived import bank_spec
+    from morse_jax.config.variants import apply_variant
 
     cfg = apply_variant(defaults(), variant)
     if override is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from morse_jax.config.defaults import VARIANT_OVERLAYS
+from morse_jax.config.variants import VARIANT_OVERLAYS
 from morse_jax.run.describe import describe
 
 REPO = Path(__file__).resolve().parents[1]

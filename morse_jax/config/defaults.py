@@ -1,47 +1,20 @@
 """Every config field with its default and its meaning. Config files in ``configs/`` start from here.
 
+The ablation variants (what a ``config.variant`` name sets) are in ``config/variants.py``.
 Override any field on the command line: ``--config.train.steps=3 --config.model.path=/ckpt/Qwen3-4B``.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import ml_collections
 
 MODES = ("train", "eval", "plan", "solve", "diagnose", "describe")
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """What an ablation row puts on the backbone and how it credits rewards.
-
-    Whether it trains is ``config.mode`` ("train" or not) and whether it plans a DAG is
-    ``config.rollout.single_agent``: both are settings of their own, not of the variant name.
-    The overlays in VARIANT_OVERLAYS set them to the paper's rows.
-    """
-
-    orchestration: str  # mole | flat_mole | single_lora | none (tomas.rollout.VARIANTS)
-    advantage: str  # hgrpo | grpo (rl.hgrpo)
-    what: str  # one line for describe / the README
-
-
-VARIANTS = {
-    "A": Variant("mole", "hgrpo", "MoRSE framework with untrained MoLE (Table 2 row A)"),
-    "B": Variant("single_lora", "grpo", "one fixed LoRA of rank mole.single_rank, flat GRPO (Table 2 row B)"),
-    "B++": Variant("single_lora", "grpo", "one fixed LoRA of rank mole.single_rank (48: total params matched)"),
-    "C": Variant("flat_mole", "grpo", "MoLE + flat GRPO, every candidate its own route (Table 2 row C)"),
-    "D": Variant("mole", "hgrpo", "MoLE + HGRPO: MoRSE (Table 2 row D)"),
-    "single_agent": Variant("none", "grpo", "the backbone alone, one call per task (Table 1 single agent)"),
-    "single_agent_rl": Variant("single_lora", "grpo", "one LoRA, one call per task, GRPO (Table 4 row 2)"),
-    "base": Variant("none", "grpo", "the backbone alone on the DAG, no adapters"),
-}
-
-
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.mode = "train"  # one of MODES
-    c.variant = "D"  # one of VARIANTS: adapters and credit (training: mode; DAG or not: rollout.single_agent)
+    c.variant = "D"  # one of config.variants.VARIANTS: adapters and credit (training: mode; DAG or not: rollout.single_agent)
     c.workdir = "runs/default"  # checkpoints, metrics, report; an existing run there is resumed
     c.fresh = False  # True: ignore checkpoints in workdir and start over
     c.seed = 0
@@ -156,35 +129,3 @@ def get_config() -> ml_collections.ConfigDict:
     c.parallel.num_processes = 0
     c.parallel.process_id = -1
     return c
-
-
-# Small overlays that turn any config into one of the paper's ablation rows (Table 2 / Table 4).
-# Config files take the variant as their argument: ``--config configs/qwen3_4b_srdd.py:B``.
-VARIANT_OVERLAYS = {
-    "A": {"variant": "A", "mode": "eval"},
-    "B": {"variant": "B", "mole.single_rank": 24},
-    "B++": {"variant": "B++", "mole.single_rank": 48},
-    "C": {"variant": "C"},
-    "D": {"variant": "D"},
-    "single_agent": {"variant": "single_agent", "mode": "eval", "rollout.single_agent": True},
-    "single_agent_rl": {"variant": "single_agent_rl", "mole.single_rank": 24, "rollout.single_agent": True},
-    "base": {"variant": "base", "mode": "eval"},
-}
-
-
-def apply_variant(c: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
-    """Apply the overlay of ablation variant ``name`` (a key of VARIANT_OVERLAYS) to ``c`` in place."""
-    if name not in VARIANT_OVERLAYS:
-        raise ValueError(f"config variant: unknown {name!r}; choose one of {sorted(VARIANT_OVERLAYS)}")
-    for dotted, value in VARIANT_OVERLAYS[name].items():
-        node = c
-        *groups, field = dotted.split(".")
-        for g in groups:
-            node = node[g]
-        node[field] = value
-    return c
-
-
-def variant_dir(name: str) -> str:
-    """A file-system-friendly name for a variant ("B++" -> "Bpp")."""
-    return name.replace("+", "p")

@@ -1,5 +1,4 @@
-"""What a config determines without loading anything: the variant's record, the expert-bank
-layout, the sampler's buckets, the number of training steps and the memory plan.
+"""What a config determines without loading anything: the expert-bank layout, the sampler's buckets, the number of training steps and the memory plan.
 
 The job builds its objects through these functions and config validation builds them too, so a
 constraint between fields (a batch size above the largest bucket, a token budget above the
@@ -10,20 +9,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from morse_jax.config.defaults import VARIANTS, Variant
+from morse_jax.config.variants import variant_of
 from morse_jax.mole.experts import ExpertBankSpec
 from morse_jax.sampling.sampler import SamplerConfig
 
 _DEFAULT_SAMPLER = SamplerConfig()
-
-
-def variant_of(cfg) -> Variant:
-    return VARIANTS[cfg.variant]
-
-
-def trains(cfg) -> bool:
-    """Whether this run updates adapters: mode=train and a variant with adapters."""
-    return cfg.mode == "train" and variant_of(cfg).orchestration != "none"
 
 
 def bank_spec(cfg) -> ExpertBankSpec | None:
@@ -56,10 +46,17 @@ def token_budgets(cfg) -> int:
     return max(r.max_new_tokens, r.eval_max_new_tokens, r.planner_max_new_tokens)
 
 
-def sampler_config(cfg, *, max_active: int = 4, return_prefix_states: bool = False) -> SamplerConfig:
+def max_active(cfg) -> int:
+    """Expert slots a call of this config can need (``ExpertBankSpec.max_active``; at least 1)."""
+    spec = bank_spec(cfg)
+    return spec.max_active if spec is not None else 1
+
+
+def sampler_config(cfg, *, return_prefix_states: bool = False) -> SamplerConfig:
     """The sampler's settings: batch buckets end at ``sampler.max_batch``, new-token buckets cover
     every token budget of the config, prompt buckets cover twice the largest budget (a prompt
-    carries upstream artifacts). Unused buckets cost nothing: programs compile on first use."""
+    carries upstream artifacts), expert slots cover the bank's ``max_active``. Unused buckets cost
+    nothing: programs compile on first use."""
     d = _DEFAULT_SAMPLER
     n = token_budgets(cfg)
     new_tokens = buckets_up_to(d.new_token_buckets, n) if n > max(d.new_token_buckets) else d.new_token_buckets
@@ -67,7 +64,7 @@ def sampler_config(cfg, *, max_active: int = 4, return_prefix_states: bool = Fal
     prompts = buckets_up_to(d.prompt_buckets, prompt_limit) if prompt_limit > max(d.prompt_buckets) else d.prompt_buckets
     return SamplerConfig(batch_buckets=buckets_up_to(d.batch_buckets, cfg.sampler.max_batch),
                          prompt_buckets=prompts, new_token_buckets=new_tokens,
-                         max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk, max_active=max(max_active, 1),
+                         max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk, max_active=max_active(cfg),
                          return_prefix_states=return_prefix_states, cpu_kernels=cfg.sampler.cpu_kernels)
 
 

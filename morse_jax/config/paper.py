@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from morse_jax.config.defaults import apply_variant, get_config as defaults, variant_dir
+from morse_jax.config.defaults import get_config as defaults
+from morse_jax.config.variants import apply_variant, variant_dir
 
 # backbone name -> (what to pass as model.path, epochs, mesh (data, fsdp, tensor))
 BACKBONES = {

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import ml_collections
 
-from morse_jax.config.defaults import MODES, VARIANTS, get_config as defaults
+from morse_jax.config.defaults import MODES, get_config as defaults
+from morse_jax.config.variants import VARIANTS
 
 
 class ConfigError(ValueError):
@@ -60,7 +61,7 @@ def _derived_objects(cfg) -> None:
     constraints fail here, in one line naming the field, instead of after the weights load."""
     from morse_jax.config.derived import bank_spec, sampler_config
 
-    for build, group in ((sampler_config, "sampler"), (bank_spec, "mole")):
+    for build, group in ((bank_spec, "mole"), (sampler_config, "sampler")):
         try:
             build(cfg)
         except ValueError as e:
@@ -87,8 +88,13 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
     _choice(cfg, "rollout.scicode_dag", ("chain", "planner"))
     _choice(cfg, "srdd.completeness_mode", ("ast", "line_rule"))
     _choice(cfg, "mole.merge_mode", ("union", "random_subset"))
-    if cfg.mole.top_k > cfg.mole.num_subtask and VARIANTS[cfg.variant].orchestration in ("mole", "flat_mole"):
-        raise ConfigError(f"config.mole.top_k: {cfg.mole.top_k} exceeds config.mole.num_subtask={cfg.mole.num_subtask}")
+    if VARIANTS[cfg.variant].orchestration in ("mole", "flat_mole"):  # a routed bank: K of K_s experts
+        from morse_jax.mole.router import check_top_k
+
+        try:
+            check_top_k(cfg.mole.top_k, cfg.mole.num_subtask, "config.mole.top_k", "config.mole.num_subtask")
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     if cfg.sampler.cpu_kernels not in ("auto", "on", "off"):
         raise ConfigError(f"config.sampler.cpu_kernels: must be auto, on or off, got {cfg.sampler.cpu_kernels!r}")
     for name in ("top_p", "eval_top_p"):
@@ -100,15 +106,9 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
     if cfg.rollout.min_nodes > cfg.rollout.max_nodes:
         raise ConfigError(f"config.rollout.min_nodes: {cfg.rollout.min_nodes} exceeds "
                           f"config.rollout.max_nodes={cfg.rollout.max_nodes}")
-    if cfg.mode == "train" and VARIANTS[cfg.variant].orchestration == "none":
+    if cfg.mode == "train" and not VARIANTS[cfg.variant].has_adapters:
         raise ConfigError(f"config.mode: variant {cfg.variant!r} has no adapters to train; use mode=eval")
     _derived_objects(cfg)
-    if cfg.rollout.eval_max_attempts < 1:
-        raise ConfigError(f"config.rollout.eval_max_attempts: must be >= 1, got {cfg.rollout.eval_max_attempts}")
-    for name, allowed in (("merge_candidates", ("routes_x_candidates", "candidates")),
-                          ("scicode_dag", ("chain", "planner"))):
-        if cfg.rollout[name] not in allowed:
-            raise ConfigError(f"config.rollout.{name}: must be one of {allowed}, got {cfg.rollout[name]!r}")
     for name in ("lora_lr", "router_lr"):
         if cfg.train[name] <= 0:
             raise ConfigError(f"config.train.{name}: must be > 0, got {cfg.train[name]}")

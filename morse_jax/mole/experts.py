@@ -87,6 +87,12 @@ class ExpertBankSpec:
         return self.num_roles + self.num_subtask
 
     @property
+    def max_active(self) -> int:
+        """Expert slots one call can need: its role expert plus, at a union merge, every subtask
+        expert (the ``max_active`` of the sampler's and the update's batches)."""
+        return 1 + self.num_subtask
+
+    @property
     def scaling(self) -> float:
         return self.alpha / self.rank
 

@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from morse_jax import parallel as par
 from morse_jax.checkpoint import Checkpointer
-from morse_jax.config.derived import bank_spec, memory_plan, sampler_config, trains, variant_of
+from morse_jax.config.derived import bank_spec, max_active, memory_plan, sampler_config
+from morse_jax.config.variants import trains, variant_of
 from morse_jax.models import load_backbone
 from morse_jax.models.chat import encode_chat, stop_token_ids
 from morse_jax.models.loading import embedded_model_path
@@ -53,7 +54,7 @@ def train_config(cfg) -> TrainConfig:
                        loss_normalisation=t.loss_normalisation, alpha_pi=t.alpha_pi,
                        entropy_weight=t.entropy_weight, orthogonality_weight=t.orthogonality_weight,
                        kl_beta=t.kl_beta, approx_set_logp=t.approx_set_logp, router_k=cfg.mole.top_k,
-                       micro_batch=t.micro_batch, max_active=1 + cfg.mole.num_subtask,
+                       micro_batch=t.micro_batch, max_active=max_active(cfg),
                        reuse_prefix_states=t.reuse_prefix_states)
 
 
@@ -116,12 +117,11 @@ class Job:
         self.trainable = None
         if self.spec is not None:
             self.trainable = self.place(init_trainable(k_init, self.backbone.config, self.spec, self.tcfg, dtype))
-        max_active = 1 + (self.spec.num_subtask if self.spec is not None else 0)
         # prefix states only matter to updates, and only where a frozen prefix exists
         states = bool(self.trains and self.tcfg.reuse_prefix_states and self.spec is not None
                       and self.spec.n_adapt < self.backbone.config.num_layers)
         self.sampler = Sampler(self.backbone, self.spec,
-                               sampler_config(cfg, max_active=max_active, return_prefix_states=states),
+                               sampler_config(cfg, return_prefix_states=states),
                                mesh=self.mesh)
         log.info("sampler native CPU kernels: %s", self.sampler.native_kernels)
         self._trainer = None

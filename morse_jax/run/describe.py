@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from morse_jax.config.derived import bank_spec, memory_plan, sampler_config, train_steps, trains, variant_of
+from morse_jax.config.derived import bank_spec, memory_plan, sampler_config, train_steps
+from morse_jax.config.variants import VARIANTS, trains, variant_of
 
 UNKNOWN = "could not determine"
 
@@ -127,9 +128,10 @@ def _scicode_summary(cfg, field: str):
 def described_mode(cfg) -> str:
     """The mode the described run has: ``--config.mode=describe`` replaced the config's own, so
     take the variant's (the paper's rows: A, single_agent and base evaluate, the others train)."""
-    from morse_jax.config.defaults import VARIANT_OVERLAYS
-
-    return cfg.mode if cfg.mode != "describe" else VARIANT_OVERLAYS.get(cfg.variant, {}).get("mode", "train")
+    if cfg.mode != "describe":
+        return cfg.mode
+    v = VARIANTS.get(cfg.variant)
+    return "train" if v is None or v.trains else "eval"
 
 
 def describe(cfg) -> str:

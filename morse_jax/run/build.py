@@ -82,7 +82,16 @@ def orchestrator_config(cfg, mode: str, *, stop_token_ids=(), stop_strings=(),
 
 
 class Job:
-    """Everything one run needs. ``log_fn`` receives human-readable progress lines."""
+    """The wired components of one run and the callables handed to the orchestrator.
+
+    Built from a validated config: ``backbone`` (split into segments when a bank exists, sharded
+    over ``mesh`` with several devices), ``spec`` (the expert bank's layout, None without
+    adapters), ``trainable`` ({"bank", "router"} or None), ``sampler``, ``trainer`` (built on
+    first use), the evaluation / training tasks of the configured family, and the PRNG ``key``
+    the run threads through. ``orchestrator(mode)`` wires ``generate`` / ``route`` / ``encode``
+    into a ``tomas.Orchestrator``; ``checkpointer`` / ``restore_latest`` / ``restore`` move the
+    trainable state to and from the work directory.
+    """
 
     def __init__(self, cfg, *, load_tasks: bool = True):
         self.train_step = 0  # the training step in progress (1-based; set by the train loop), for fault injection
@@ -202,6 +211,7 @@ class Job:
             bar.close()
 
     def route(self, descriptions: Sequence[str], *, num_samples: int, greedy: bool) -> RouteDraw:
+        """Route draws for N subtask descriptions (``mole.router.draw_routes``, this run's K)."""
         ids, mask = encode_descriptions(self.backbone.tokenizer, descriptions)
         members, set_logp, probs = self._draw_routes(self.trainable["router"], self.backbone.params["embed"], ids,
                                                      mask, self.next_key(), num_samples=num_samples, greedy=greedy)
@@ -223,9 +233,10 @@ class Job:
         return Orchestrator(families, self.spec, self.generate, route_fn, self.encode, ocfg,
                             verify_collective=self.verify_collective())
 
-    # ------------------------------------------------------------------ modes
+    # ------------------------------------------------------------------ tasks and checkpoints
 
     def run_tasks(self, tasks: Sequence[Task], mode: str, desc: str) -> RunResult:
+        """Plan and run ``tasks`` with a fresh orchestrator of ``mode``, a progress bar per wave."""
         orch = self.orchestrator(mode)
         bar = tqdm(desc=desc, unit="wave", leave=False, disable=None)
 

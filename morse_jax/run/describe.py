@@ -87,7 +87,7 @@ def _splits(cfg) -> tuple[list[str], int | None]:
             if cfg.data.family == "scicode":
                 summary, note = _scicode_summary(cfg, field)
             else:
-                summary, note = registry._srdd_split(cfg, field)[1], ""
+                summary, note = registry.srdd_split(cfg, field)[1], ""
         except Exception as e:  # a missing file, an unknown split: say it, go on
             lines.append(f"{field} tasks: {UNKNOWN} ({type(e).__name__}: {str(e).splitlines()[0]})")
             continue
@@ -109,7 +109,7 @@ def _scicode_summary(cfg, field: str):
     for p in problems:
         why = registry.scicode_left_out_reason(cfg, p, None)
         (used if why is None else left).append(p if why is None else (p.problem_id, why))
-    tasks = registry._select([sc.problem_to_task(p) for p in used], cfg.data[f"{field}_ids"],
+    tasks = registry.select_tasks([sc.problem_to_task(p) for p in used], cfg.data[f"{field}_ids"],
                              cfg.data[f"max_{field}_tasks"], f"{field}_ids")
     summary = registry.SplitSummary(field, cfg.data[field], len(tasks),
                                     sum(len(t.payload.testable_steps) for t in tasks), tuple(left))

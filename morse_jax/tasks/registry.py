@@ -65,7 +65,9 @@ class SplitSummary:
         return out + "; left out " + "; ".join(f"{len(ids)} ({', '.join(ids)}): {why}" for why, ids in reasons.items())
 
 
-def _select(tasks: list[Task], ids: Sequence[str], limit: int, field: str) -> list[Task]:
+def select_tasks(tasks: list[Task], ids: Sequence[str], limit: int, field: str) -> list[Task]:
+    """The tasks named by ``ids`` in that order (all when empty), cut to ``limit`` (0 = no limit);
+    an unknown id is an error naming ``config.data.<field>``."""
     if ids:
         by_id = {t.task_id: t for t in tasks}
         missing = [i for i in ids if str(i) not in by_id]
@@ -104,17 +106,18 @@ def _scicode_split(cfg, field: str, family) -> tuple[list[Task], SplitSummary]:
             tasks.append(sc.problem_to_task(p))
         else:
             left.append((p.problem_id, why))
-    tasks = _select(tasks, cfg.data[f"{field}_ids"], cfg.data[f"max_{field}_tasks"], f"{field}_ids")
+    tasks = select_tasks(tasks, cfg.data[f"{field}_ids"], cfg.data[f"max_{field}_tasks"], f"{field}_ids")
     steps = sum(len(t.payload.testable_steps) for t in tasks)
     return tasks, SplitSummary(field, source, len(tasks), steps, tuple(left))
 
 
-def _srdd_split(cfg, field: str) -> tuple[list[Task], SplitSummary]:
+def srdd_split(cfg, field: str) -> tuple[list[Task], SplitSummary]:
+    """The SRDD tasks of split ``config.data.<field>`` as the config selects them, and their summary."""
     from morse_jax.tasks.srdd.family import load_srdd
 
     source = cfg.data[field]
     tasks = load_srdd(source, Path(cfg.data.dir).expanduser() / "srdd" / "data")
-    tasks = _select(tasks, cfg.data[f"{field}_ids"], cfg.data[f"max_{field}_tasks"], f"{field}_ids")
+    tasks = select_tasks(tasks, cfg.data[f"{field}_ids"], cfg.data[f"max_{field}_tasks"], f"{field}_ids")
     return tasks, SplitSummary(field, source, len(tasks), None)
 
 
@@ -124,7 +127,7 @@ def _pyfuncs_split(cfg, field: str) -> tuple[list[Task], SplitSummary]:
 
     source = cfg.data[field]
     tasks = load_split(source, 0 if cfg.data[f"{field}_ids"] else cfg.data[f"max_{field}_tasks"])
-    tasks = _select(tasks, cfg.data[f"{field}_ids"], cfg.data[f"max_{field}_tasks"], f"{field}_ids")
+    tasks = select_tasks(tasks, cfg.data[f"{field}_ids"], cfg.data[f"max_{field}_tasks"], f"{field}_ids")
     return tasks, SplitSummary(field, source, len(tasks), sum(len(t.payload.steps) for t in tasks))
 
 
@@ -140,7 +143,7 @@ def load_splits(cfg, family) -> tuple[list[Task], list[Task], list[SplitSummary]
         elif cfg.data.family == "pyfuncs":
             out[field], summary = _pyfuncs_split(cfg, field)
         else:
-            out[field], summary = _srdd_split(cfg, field)
+            out[field], summary = srdd_split(cfg, field)
         summaries.append(summary)
     return out["train"], out["eval"], summaries
 

@@ -12,7 +12,7 @@ import pytest
 
 from morse_jax.config.validate import ConfigError, validate_config
 from morse_jax.config.defaults import get_config as defaults
-from morse_jax.config.variants import VARIANT_OVERLAYS, VARIANTS
+from morse_jax.config.variants import VARIANT_OVERLAYS
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
@@ -152,6 +152,34 @@ def test_variant_training_and_structure_are_independent_settings():
     a_trained = _with(apply_variant(defaults(), "A"), "mode", "train")  # A's structure, trained
     validate_config(a_trained, check_paths=False)
     assert trains(a_trained)
+
+
+@pytest.mark.parametrize("variant,slots", [("D", 1 + 4), ("C", 1 + 4), ("A", 1 + 4), ("B", 1), ("B++", 1),
+                                           ("single_agent_rl", 1), ("base", 1), ("single_agent", 1)])
+def test_expert_slots_are_one_number_for_sampler_and_trainer(variant, slots):
+    """A call holds its role expert plus, at a union merge, every one of the K_s = 4 subtask
+    experts (a single LoRA: its one expert; no adapters: one empty slot); sampler and update
+    batches take that one number."""
+    from morse_jax.config.derived import max_active, sampler_config, train_config
+    from morse_jax.config.variants import apply_variant
+
+    cfg = apply_variant(defaults(), variant)
+    assert max_active(cfg) == slots
+    assert sampler_config(cfg).max_active == slots and train_config(cfg).max_active == slots
+
+
+def test_variant_records_set_their_rows():
+    """Each variant's overlay follows from its record: untrained rows evaluate, single-agent rows
+    have no DAG, single-LoRA rows fix their rank."""
+    from morse_jax.config.variants import VARIANTS, apply_variant
+
+    for name, v in VARIANTS.items():
+        cfg = apply_variant(defaults(), name)
+        assert cfg.variant == name and (cfg.mode == "train") == v.trains
+        assert cfg.rollout.single_agent == v.single_agent
+        assert cfg.mole.single_rank == (v.single_rank if v.single_rank is not None else defaults().mole.single_rank)
+    with pytest.raises(ValueError, match="unknown 'Z'"):
+        apply_variant(defaults(), "Z")
 
 
 @pytest.mark.parametrize("variant,override,rank", [("B", None, 24), ("B++", None, 48), ("B++", 32, 32),

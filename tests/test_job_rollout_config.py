@@ -6,7 +6,7 @@ import pytest
 
 from morse_jax.config.validate import ConfigError, validate_config
 from morse_jax.config.defaults import get_config
-from morse_jax.run.build import orchestrator_config
+from morse_jax.config.derived import orchestrator_config
 from morse_jax.tomas.config import SamplingSettings
 
 

@@ -336,7 +336,7 @@ def test_second_ppo_pass_moves_the_ratio_and_engages_the_clip():
 
 def test_train_config_maps_the_fidelity_fields():
     from morse_jax.config.defaults import get_config
-    from morse_jax.run.build import train_config
+    from morse_jax.config.derived import train_config
 
     c = get_config()
     t = train_config(c)

@@ -1,4 +1,5 @@
-"""What a config determines without loading anything: the expert-bank layout, the sampler's buckets, the number of training steps and the memory plan.
+"""What a config determines without loading anything: the expert-bank layout, the trainer's and
+the orchestrator's settings, the sampler's buckets, the number of training steps and the memory plan.
 
 The job builds its objects through these functions and config validation builds them too, so a
 constraint between fields (a batch size above the largest bucket, a token budget above the
@@ -11,7 +12,9 @@ from typing import Sequence
 
 from morse_jax.config.variants import variant_of
 from morse_jax.mole.experts import ExpertBankSpec
+from morse_jax.rl.update import TrainConfig
 from morse_jax.sampling.sampler import SamplerConfig
+from morse_jax.tomas.config import OrchestratorConfig, SamplingSettings
 
 _DEFAULT_SAMPLER = SamplerConfig()
 
@@ -85,3 +88,39 @@ def memory_plan(cfg, model_config, spec: ExpertBankSpec | None, mesh_shape: Sequ
     return par.memory_plan(model_config, spec, "adamw", batch=cfg.train.micro_batch,
                            cache_len=[p + n for p in (512, 1024, 2048)], seq_len=1024 + n,
                            mesh_shape=tuple(mesh_shape), dtype=cfg.model.dtype, sample_batch=cfg.sampler.max_batch)
+
+
+def train_config(cfg) -> TrainConfig:
+    """The trainer's settings: ``cfg.train``, the router's K (``mole.top_k``) and the bank's
+    expert slots (``max_active``)."""
+    t = cfg.train
+    return TrainConfig(lora_lr=t.lora_lr, router_lr=t.router_lr, weight_decay=t.weight_decay,
+                       max_grad_norm=t.max_grad_norm or None, ppo_eps=t.ppo_eps, ppo_epochs=t.ppo_epochs,
+                       loss_normalisation=t.loss_normalisation, alpha_pi=t.alpha_pi,
+                       entropy_weight=t.entropy_weight, orthogonality_weight=t.orthogonality_weight,
+                       kl_beta=t.kl_beta, approx_set_logp=t.approx_set_logp, router_k=cfg.mole.top_k,
+                       micro_batch=t.micro_batch, max_active=max_active(cfg),
+                       reuse_prefix_states=t.reuse_prefix_states)
+
+
+def orchestrator_config(cfg, mode: str, *, stop_token_ids=(), stop_strings=(),
+                        single_agent: bool | None = None) -> OrchestratorConfig:
+    """The orchestrator's settings from the job config (every rollout knob comes from ``cfg.rollout``).
+
+    single_agent: None = ``cfg.rollout.single_agent``, else forced (``solve``'s baseline).
+    """
+    r = cfg.rollout
+    return OrchestratorConfig(
+        mode=mode, variant=variant_of(cfg).orchestration, routes_per_node=r.routes,
+        candidates_per_route=r.candidates,
+        top_k=cfg.mole.top_k, max_attempts=r.max_attempts, eval_max_attempts=r.eval_max_attempts,
+        merge_mode=cfg.mole.merge_mode, merge_candidates=r.merge_candidates,
+        fixed_plan_dependencies="planner" if r.scicode_dag == "planner" else "keep",
+        single_agent=cfg.rollout.single_agent if single_agent is None else single_agent,
+        train_sampling=SamplingSettings(r.temperature, r.top_p, r.max_new_tokens),
+        eval_sampling=SamplingSettings(r.eval_temperature, r.eval_top_p, r.eval_max_new_tokens),
+        planner_sampling=SamplingSettings(0.0, 1.0, r.planner_max_new_tokens),
+        stop_token_ids=tuple(stop_token_ids), stop_strings=tuple(stop_strings), min_nodes=r.min_nodes,
+        max_nodes=r.max_nodes,
+        max_replans=r.max_replans, planner_prefix=r.planner_prefix, answer_prefix=r.answer_prefix,
+        heal_answer_prefix=r.heal_answer_prefix, seed=cfg.seed)

@@ -14,8 +14,9 @@ the opt-in `approx_set_log_prob`.
 Everything is a pure function over explicit arrays, batched over N subtasks, and jittable; the
 integer arguments `k` and `max_tokens` and the flags of `route` must be static under jit.
 
-One concept in one module (the router: forward pass, route draws, set likelihoods,
-regularisers); it runs past ~400 lines because each function carries its equation and shapes.
+The module is longer than 400 lines because it holds one concept whole (the router's forward
+pass, route draws, set likelihoods and regularisers) and each function carries its equation and
+shapes.
 
 Params pytree (all leaves of the `dtype` given to `init_router`):
     {"proj": {"kernel": [d_model, D], "bias": [D]}, "prototypes": [K_s, D]}

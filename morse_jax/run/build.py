@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from morse_jax import parallel as par
 from morse_jax.checkpoint import Checkpointer
-from morse_jax.config.derived import bank_spec, max_active, memory_plan, sampler_config
+from morse_jax.config.derived import bank_spec, memory_plan, orchestrator_config, sampler_config, train_config
 from morse_jax.config.variants import trains, variant_of
 from morse_jax.models import load_backbone
 from morse_jax.models.chat import encode_chat, stop_token_ids
@@ -33,52 +33,18 @@ from morse_jax.models.loading import embedded_model_path
 from morse_jax.models.transformer import split_segments
 from morse_jax.mole import router as rt
 from morse_jax.rl.batch import encode_descriptions
-from morse_jax.rl.update import Trainer, TrainConfig, init_trainable
+from morse_jax.rl.update import Trainer, init_trainable
 from morse_jax.sampling.sampler import Sampler
 from morse_jax.tasks.base import Task, VerifyResult
 from morse_jax.tomas.orchestrator import Orchestrator
-from morse_jax.tomas.config import OrchestratorConfig, SamplingSettings
 from morse_jax.tomas.trace import RouteDraw, RunResult
 from morse_jax.run.faults import kill_at, kill_now
 
 log = logging.getLogger("morse_jax.run.build")
 
+
 def resolve_model_path(path: str) -> Path:
     return embedded_model_path() if path == "embedded" else Path(path).expanduser()
-
-
-def train_config(cfg) -> TrainConfig:
-    t = cfg.train
-    return TrainConfig(lora_lr=t.lora_lr, router_lr=t.router_lr, weight_decay=t.weight_decay,
-                       max_grad_norm=t.max_grad_norm or None, ppo_eps=t.ppo_eps, ppo_epochs=t.ppo_epochs,
-                       loss_normalisation=t.loss_normalisation, alpha_pi=t.alpha_pi,
-                       entropy_weight=t.entropy_weight, orthogonality_weight=t.orthogonality_weight,
-                       kl_beta=t.kl_beta, approx_set_logp=t.approx_set_logp, router_k=cfg.mole.top_k,
-                       micro_batch=t.micro_batch, max_active=max_active(cfg),
-                       reuse_prefix_states=t.reuse_prefix_states)
-
-
-def orchestrator_config(cfg, mode: str, *, stop_token_ids=(), stop_strings=(),
-                        single_agent: bool | None = None) -> OrchestratorConfig:
-    """The orchestrator's settings from the job config (every rollout knob comes from ``cfg.rollout``).
-
-    single_agent: None = ``cfg.rollout.single_agent``, else forced (``solve``'s baseline).
-    """
-    r = cfg.rollout
-    return OrchestratorConfig(
-        mode=mode, variant=variant_of(cfg).orchestration, routes_per_node=r.routes,
-        candidates_per_route=r.candidates,
-        top_k=cfg.mole.top_k, max_attempts=r.max_attempts, eval_max_attempts=r.eval_max_attempts,
-        merge_mode=cfg.mole.merge_mode, merge_candidates=r.merge_candidates,
-        fixed_plan_dependencies="planner" if r.scicode_dag == "planner" else "keep",
-        single_agent=cfg.rollout.single_agent if single_agent is None else single_agent,
-        train_sampling=SamplingSettings(r.temperature, r.top_p, r.max_new_tokens),
-        eval_sampling=SamplingSettings(r.eval_temperature, r.eval_top_p, r.eval_max_new_tokens),
-        planner_sampling=SamplingSettings(0.0, 1.0, r.planner_max_new_tokens),
-        stop_token_ids=tuple(stop_token_ids), stop_strings=tuple(stop_strings), min_nodes=r.min_nodes,
-        max_nodes=r.max_nodes,
-        max_replans=r.max_replans, planner_prefix=r.planner_prefix, answer_prefix=r.answer_prefix,
-        heal_answer_prefix=r.heal_answer_prefix, seed=cfg.seed)
 
 
 class Job:

@@ -48,7 +48,7 @@ def trainable_count(cfg, model_config, spec) -> dict[str, int]:
     import jax.numpy as jnp
     import numpy as np
 
-    from morse_jax.run.build import train_config
+    from morse_jax.config.derived import train_config
     from morse_jax.rl.update import init_trainable
 
     shapes = jax.eval_shape(lambda k: init_trainable(k, model_config, spec, train_config(cfg), jnp.float32),

@@ -262,17 +262,17 @@ class TorchPeer:
         return out
 
     def step(self, batches, logits_at: str) -> dict:
-        """One update over the padded micro-batches (numpy dicts from ``pad_sequences``)."""
+        """One update over the padded micro-batches (``SequenceBatch``es from ``pad_sequences``)."""
         torch, c = self.torch, self.tcfg
         self.opt.zero_grad(set_to_none=True)
         total, nll, ntok = 0.0, 0.0, 0.0
         for b in batches:
-            tokens = torch.from_numpy(b["tokens"].astype(np.int64))
-            valid = torch.from_numpy(b["valid"].astype(np.int64))
-            targets = torch.from_numpy(b["targets"].astype(np.int64))
-            mask = torch.from_numpy(b["target_mask"])
-            old = torch.from_numpy(b["old_logp"])
-            adv = torch.from_numpy(b["advantages"])[:, None]
+            tokens = torch.from_numpy(b.tokens.astype(np.int64))
+            valid = torch.from_numpy(b.valid.astype(np.int64))
+            targets = torch.from_numpy(b.targets.astype(np.int64))
+            mask = torch.from_numpy(b.target_mask)
+            old = torch.from_numpy(b.old_logp)
+            adv = torch.from_numpy(b.advantages)[:, None]
             new = self._logp(tokens, valid, targets, mask, logits_at)
             ratio = torch.exp(new - old)
             eps_hi = c.ppo_eps if c.ppo_eps_high is None else c.ppo_eps_high

@@ -80,7 +80,7 @@ def collect(args):
     from morse_jax.run.build import Job
     from morse_jax.mole.experts import execute_set
     from morse_jax.rl.batch import SequenceExample, pad_sequences
-    from morse_jax.rl.update import sequence_logprobs
+    from morse_jax.rl.logprobs import sequence_logprobs
     from morse_jax.sampling.sampler import Request
     from morse_jax.tasks.pyfuncs.family import PyFuncsFamily
     from morse_jax.tasks.pyfuncs.data import SOLVE, load_split
@@ -136,7 +136,7 @@ def collect(args):
             ex = SequenceExample(ids, list(c.token_ids), np.asarray(c.logprobs, np.float32),
                                  reqs[j].expert_ids, reqs[j].expert_weights, 0.0)
             batch = pad_sequences([ex], rows=1, length_buckets=(256, 384, 512, 768, 1024), max_active=1 + spec.num_subtask)
-            g = grad_fn(job.trainable["bank"], {k: jnp.asarray(v) for k, v in batch.items()})
+            g = grad_fn(job.trainable["bank"], jax.tree.map(jnp.asarray, batch))
             flat = np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(g)])
             grads[b, p] = flat[coords]
         print(f"node {t.task_id}/{n.id} routes {routes}: route mean rewards "

@@ -118,7 +118,7 @@ def test_update_from_prefix_states_equals_recomputing_them(share):
     for reuse in (True, False):
         tcfg = TrainConfig(micro_batch=8, length_buckets=(32,), share_prompts=share, reuse_prefix_states=reuse)
         trainer = Trainer(LLAMA, bb.params, spec, tcfg)
-        assert trainer._use_states(seqs) == reuse
+        assert trainer.use_states(seqs) == reuse
         lps = trainer.logprobs(trainable["bank"], seqs)
         for o, lp in zip(outs, lps):  # the trainer re-scores what the sampler generated
             np.testing.assert_allclose(lp, o.logprobs, atol=1e-4)

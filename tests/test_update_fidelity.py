@@ -19,7 +19,8 @@ from morse_jax.models import ModelConfig, init_params
 from morse_jax.models.transformer import split_segments
 from morse_jax.mole.experts import ExpertBankSpec, execute_set, merge_set
 from morse_jax.rl.batch import RouteExample, SequenceExample, examples_from_groups, pad_routes, pad_sequences
-from morse_jax.rl.update import Trainer, TrainConfig, init_trainable, make_optimizer, sequence_logprobs
+from morse_jax.rl.logprobs import sequence_logprobs
+from morse_jax.rl.update import Trainer, TrainConfig, TrainState, init_trainable, make_optimizer
 
 CFG = ModelConfig(family="llama", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=8)
@@ -135,9 +136,8 @@ def test_frozen_slots_same_forward_no_gradient_in_both_compose_modes(shared):
             SequenceExample([2, 3], [9, 9, 1], np.zeros(3, np.float32), exe_ids, exe_ws, 1.0)]
     pad = (lambda s: pad_shared(s, rows=4, buckets=(8,), max_active=4)) if shared else (
         lambda s: pad_sequences(s, rows=4, length_buckets=(8,), max_active=4))
-    batch = {k: jnp.asarray(v) for k, v in pad(seqs).items()}
-    untagged = {k: jnp.asarray(v) for k, v in pad([dataclasses.replace(e, expert_trainable=None)
-                                                  for e in seqs]).items()}
+    batch = jax.tree.map(jnp.asarray, pad(seqs))
+    untagged = jax.tree.map(jnp.asarray, pad([dataclasses.replace(e, expert_trainable=None) for e in seqs]))
 
     def run(spec, b):
         f = lambda bk: jnp.sum(sequence_logprobs(frozen, CFG, spec, bk, b))  # noqa: E731
@@ -264,7 +264,9 @@ def test_router_gradient_equals_eq8_by_finite_differences(trainer, reinforce):
     examples = [RouteExample(d, m, float(o), a) for d, m, o, a in zip(desc, members, old, adv)]
     batch = pad_routes(examples, rows=8, k=2, scale=1 / G)
     trainable = {"bank": _trainable()["bank"], "router": jax.tree.map(jnp.asarray, router)}
-    grads, _ = trainer._router_grad(trainable, trainer.frozen["embed"], batch, reinforce=reinforce)
+    state, _ = trainer.train_step.routes(TrainState.create(trainable, None), trainer.frozen["embed"], batch,
+                                         reinforce=reinforce)
+    grads = state.grad_sum
     got = _host(grads["router"])
     assert not any(np.any(x) for x in jax.tree.leaves(_host(grads["bank"])))
 

@@ -30,7 +30,6 @@ from morse_jax.parallel.jit import (
     replicated_jit,
     shard_backbone,
     sharded_logits,
-    trainer_functions,
 )
 from morse_jax.parallel.sharding import (
     RULES,
@@ -53,5 +52,5 @@ __all__ = [
     "describe", "initialize", "is_coordinator", "logical_spec", "make_mesh", "max_micro_batch", "memory_plan",
     "memory_table", "param_shardings", "param_specs", "process_allgather", "replicate", "replicated", "replicated_jit",
     "resolve_mesh_shape", "run_on_coordinator", "shard_backbone", "shard_params", "sharded_logits", "slurm_settings",
-    "to_global", "trainer_functions",
+    "to_global",
 ]

@@ -1,8 +1,8 @@
-"""Jit with explicit in/out shardings over a mesh: generic wrappers, backbone logits, update step.
+"""Jit with explicit in/out shardings over a mesh: generic wrappers and backbone logits.
 
 :class:`ShapeKeyedJit` and :func:`replicated_jit` are generic: callers hand them pure functions
 and a rule that gives shardings per argument shapes (``sampling.sharded`` builds the sampler's
-this way). ``Trainer(..., mesh=mesh)`` calls :func:`trainer_functions`; :func:`sharded_logits` is
+this way, ``rl.update.make_sharded_train_step`` the update step's). :func:`sharded_logits` is
 the mesh version of ``models.logits``.
 
 Layout (see ``sharding.py`` for the rules): backbone weights by logical axes; the expert bank,
@@ -145,47 +145,6 @@ def shard_backbone(mesh: Mesh, backbone):
     return dataclasses.replace(backbone, params=shard_params(mesh, backbone.params, backbone.config))
 
 
-# --------------------------------------------------------------------------- update step
-
-
-def trainer_functions(trainer, mesh: Mesh):
-    """Sharded frozen params and jitted functions for an ``rl.train_step.Trainer``.
-
-    Returns (frozen, lora_grad, router_grad, apply, logprobs) with the trainer's call signatures.
-    Batches are split over rows; the trainable tree, gradients (summed over the batch shards by
-    XLA), optimizer state and metrics are replicated.
-    """
-    from morse_jax.rl.update import sequence_logprobs
-
-    cfg = trainer.model_cfg
-    frozen = shard_params(mesh, trainer.frozen, cfg)
-    f_sh = param_shardings(mesh, frozen, cfg)
-    rep = replicated(mesh)
-    embed_sh = f_sh["embed"]
-
-    def lora_shardings(args, static):
-        trainable, _, batch = args
-        return (_like(rep, trainable), f_sh, batch_shardings(mesh, batch)), rep
-
-    def router_shardings(args, static):
-        trainable, _, batch = args
-        return (_like(rep, trainable), embed_sh, batch_shardings(mesh, batch)), rep
-
-    def apply_shardings(args, static):
-        return tuple(_like(rep, a) for a in args), rep
-
-    def logprobs_impl(frozen, bank, batch):
-        return sequence_logprobs(frozen, cfg, trainer.spec, bank, batch, start_layer=trainer.start_layer)
-
-    def logprobs_shardings(args, static):
-        _, bank, batch = args
-        return (f_sh, _like(rep, bank), batch_shardings(mesh, batch)), rep
-
-    lora_grad = ShapeKeyedJit(trainer._lora_grad_impl, lora_shardings)
-    router_grad = ShapeKeyedJit(trainer._router_grad_impl, router_shardings, static_argnames=("reinforce",))
-    apply = ShapeKeyedJit(trainer._apply_impl, apply_shardings, donate_argnums=(0, 1))
-    logprobs = ShapeKeyedJit(logprobs_impl, logprobs_shardings)
-    return frozen, lora_grad, router_grad, apply, logprobs
 
 
 def replicated_jit(mesh: Mesh, fn: Callable, *, static_argnames: Sequence[str] = ()) -> ShapeKeyedJit:
@@ -214,5 +173,4 @@ def replicate(mesh: Mesh, tree: Any) -> Any:
     return to_global(tree, replicated(mesh))
 
 
-__all__ = ["ShapeKeyedJit", "replicate", "replicated_jit", "shard_backbone", "sharded_logits",
-           "trainer_functions"]
+__all__ = ["ShapeKeyedJit", "replicate", "replicated_jit", "shard_backbone", "sharded_logits"]

@@ -4,7 +4,9 @@ A rollout group is one node's (route b, candidate m) samples with rewards u[b, m
 ``morse_jax.tomas.orchestrator.RolloutGroup``). Advantages are computed per group on the host
 (``hgrpo`` or ``grpo``), then every candidate becomes a :class:`SequenceExample` (LoRA loss) and
 every sampled route a :class:`RouteExample` (router loss). Padding to bucketed shapes happens here
-so the jitted update compiles a bounded number of times.
+so the jitted update compiles a bounded number of times; the padded batches are typed pytrees
+(:class:`SequenceBatch`, :class:`SharedBatch`, :class:`RouteBatch`), so a jitted function gets
+one layout per type and shape, and code picks a path by the batch's type, never by its keys.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
+from flax import struct
 
 from morse_jax.rl.hgrpo import check_rewards, get_advantage_fn
 
@@ -46,6 +49,83 @@ class RouteExample:
     members: Sequence[int]  # router expert indices, len k
     behaviour_set_logp: float
     advantage: float
+
+
+# ------------------------------------------------------------------------------- padded batches
+# Dimensions: R candidate rows, L positions, A active-set slots (max_active), C LM-head positions
+# per row, d hidden size; P prompt rows, Lp / Lc prompt / completion positions; T description
+# tokens, k route members. Leaves are numpy arrays from the pad_* functions (device arrays once
+# they pass through jit); optional fields are None when the layout does not use them.
+
+
+@struct.dataclass
+class SequenceBatch:
+    """Right-padded teacher-forcing batch (:func:`pad_sequences`): position t predicts token t+1.
+
+    tokens int32[R, L], valid bool[R, L], targets int32[R, L], target_mask f32[R, L] (1 where token
+    t+1 was generated), old_logp f32[R, L] (behaviour log-probs at those positions), advantages
+    f32[R], expert_ids int32[R, A], expert_weights f32[R, A], expert_trainable bool[R, A];
+    logit_index int32[R, C] (each row's generated positions, then repeats of its last one) and
+    logit_mask f32[R, C] (1 on real entries), or None: LM head everywhere;
+    states [R, L, d] (prefix states entering the first adapted layer) or None.
+    """
+
+    tokens: Any
+    valid: Any
+    targets: Any
+    target_mask: Any
+    old_logp: Any
+    advantages: Any
+    expert_ids: Any
+    expert_weights: Any
+    expert_trainable: Any
+    logit_index: Any = None
+    logit_mask: Any = None
+    states: Any = None
+
+
+@struct.dataclass
+class SharedBatch:
+    """Prompt-sharing batch (:func:`pad_shared`): each distinct (prompt, active set) is one prompt
+    row, run once; each candidate row holds only its completion.
+
+    prompt_tokens int32[P, Lp] (left-padded: every prompt ends at slot Lp-1), prompt_valid
+    bool[P, Lp], prompt_expert_ids int32[P, A], prompt_expert_weights f32[P, A],
+    prompt_expert_trainable bool[P, A]; per candidate: tokens int32[R, Lc] (its completion, also
+    the targets), valid bool[R, Lc], prompt_row int32[R], target_mask f32[R, Lc], old_logp
+    f32[R, Lc], advantages f32[R], expert_ids int32[R, A], expert_weights f32[R, A],
+    expert_trainable bool[R, A]; prompt_states [P, Lp, d] and states [R, Lc, d], or both None.
+    """
+
+    prompt_tokens: Any
+    prompt_valid: Any
+    prompt_expert_ids: Any
+    prompt_expert_weights: Any
+    prompt_expert_trainable: Any
+    tokens: Any
+    valid: Any
+    prompt_row: Any
+    target_mask: Any
+    old_logp: Any
+    advantages: Any
+    expert_ids: Any
+    expert_weights: Any
+    expert_trainable: Any
+    prompt_states: Any = None
+    states: Any = None
+
+
+@struct.dataclass
+class RouteBatch:
+    """Router batch (:func:`pad_routes`): desc_ids int32[R, T], desc_mask bool[R, T], members
+    int32[R, k], old_set_logp f32[R], advantages f32[R], row_mask f32[R] (1 on real routes)."""
+
+    desc_ids: Any
+    desc_mask: Any
+    members: Any
+    old_set_logp: Any
+    advantages: Any
+    row_mask: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +226,8 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 
 def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buckets: Sequence[int],
                   max_active: int, scale: float = 1.0, completion_buckets: Sequence[int] | None = None,
-                  with_states: bool = False) -> dict[str, np.ndarray]:
-    """Right-padded teacher-forcing batch.
+                  with_states: bool = False) -> SequenceBatch:
+    """Right-padded teacher-forcing batch (:class:`SequenceBatch`).
 
     Position t predicts token t+1; ``target_mask[n, t]`` is 1 where token t+1 was generated.
     Returns tokens int32[R, L], valid bool[R, L], targets int32[R, L], target_mask f32[R, L],
@@ -196,7 +276,7 @@ def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buck
             p, c = len(e.prompt_ids), len(e.completion_ids)
             out["logit_index"][i] = np.clip(np.arange(C) + p - 1, 0, max(p + c - 2, 0))
             out["logit_mask"][i, :c] = 1.0
-    return out
+    return SequenceBatch(**out)
 
 
 def _trainable_slots(e: SequenceExample, max_active: int) -> np.ndarray:
@@ -227,8 +307,8 @@ def group_order(examples: Sequence[SequenceExample]) -> list[int]:
 
 
 def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Sequence[int], max_active: int,
-               scale: float = 1.0, with_states: bool = False) -> dict[str, np.ndarray]:
-    """Prompt-sharing batch: each distinct (prompt, active set) is one prompt row, run once; every
+               scale: float = 1.0, with_states: bool = False) -> SharedBatch:
+    """Prompt-sharing batch (:class:`SharedBatch`): each distinct (prompt, active set) is one prompt row, run once; every
     candidate row holds only its completion and attends to its prompt row's keys and values.
 
     In an HGRPO group all B*M candidates answer one prompt and the M of a route share its experts,
@@ -298,7 +378,7 @@ def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Seque
         ps[len(uniq):] = ps[0]
         out["prompt_states"] = ps
         out["states"] = _stack_states(examples, rows, Lc, lambda e: (0, e.prefix_states[len(e.prompt_ids):]))
-    return out
+    return SharedBatch(**out)
 
 
 def _stack_states(examples: Sequence[SequenceExample], rows: int, length: int, part) -> np.ndarray:
@@ -318,8 +398,8 @@ def _stack_states(examples: Sequence[SequenceExample], rows: int, length: int, p
 
 
 def pad_routes(examples: Sequence[RouteExample], *, rows: int, k: int, scale: float = 1.0,
-               max_tokens: int = ROUTER_MAX_TOKENS) -> dict[str, np.ndarray]:
-    """Router batch: desc_ids int32[R, T], desc_mask bool[R, T], members int32[R, k],
+               max_tokens: int = ROUTER_MAX_TOKENS) -> RouteBatch:
+    """Router batch (:class:`RouteBatch`): desc_ids int32[R, T], desc_mask bool[R, T], members int32[R, k],
     old_set_logp f32[R], advantages f32[R], row_mask f32[R]."""
     out = {
         "desc_ids": np.zeros((rows, max_tokens), np.int32), "desc_mask": np.zeros((rows, max_tokens), bool),
@@ -336,4 +416,4 @@ def pad_routes(examples: Sequence[RouteExample], *, rows: int, k: int, scale: fl
         out["old_set_logp"][i] = e.behaviour_set_logp
         out["advantages"][i] = e.advantage * scale
         out["row_mask"][i] = 1.0
-    return out
+    return RouteBatch(**out)

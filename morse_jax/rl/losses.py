@@ -21,12 +21,12 @@ candidates of paper Eq. 7 and the flat sum over routes of Eq. 8:
 Invalid (skipped) groups carry zero advantages and therefore contribute nothing.
 
 All log-probabilities are computed in float32 regardless of the input dtype.
-Metrics are stop-gradient'ed.
+Metrics are stop-gradient'ed. Nothing here is jitted: the functions run inside the jitted update
+step (``rl.update``), which is compiled once; jit them yourself to call them alone.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import chex
@@ -60,7 +60,6 @@ def _check_eps(name: str, value) -> None:
         raise ValueError(f"{name}: must be a scalar > 0, got {value!r}")
 
 
-@jax.jit
 def masked_sequence_mean(x, mask) -> jax.Array:
     """float[N] per-sequence mean of x[N, T] over positions where mask[N, T] != 0.
 
@@ -127,7 +126,6 @@ def ppo_clip_token_loss(new_logp, old_logp, mask, advantages, *, eps: float = 0.
     return _ppo_core(new_logp, old_logp, mask, advantages, eps, eps_high, normalisation)
 
 
-@functools.partial(jax.jit, static_argnames="normalisation")
 def _ppo_core(new_logp, old_logp, mask, advantages, eps, eps_high, normalisation):
     chex.assert_rank([new_logp, old_logp, mask, advantages], [2, 2, 2, 1])
     chex.assert_equal_shape([new_logp, old_logp, mask])
@@ -181,7 +179,6 @@ def router_loss(new_set_logp, old_set_logp, advantages, *, alpha_pi: float = 0.1
     return _router_core(new_set_logp, old_set_logp, advantages, alpha_pi, eps, reinforce)
 
 
-@functools.partial(jax.jit, static_argnames="reinforce")
 def _router_core(new_set_logp, old_set_logp, advantages, alpha_pi, eps, reinforce):
     chex.assert_rank([new_set_logp, old_set_logp, advantages], 1)
     chex.assert_equal_shape([new_set_logp, old_set_logp, advantages])
@@ -204,7 +201,6 @@ def _router_core(new_set_logp, old_set_logp, advantages, alpha_pi, eps, reinforc
     return loss, metrics
 
 
-@functools.partial(jax.jit, static_argnames="normalisation")
 def kl_to_base(new_logp, base_logp, mask, normalisation: str = "sequence_mean") -> jax.Array:
     """k3 estimate of KL(new || base) on sampled tokens, aggregated like the PPO loss.
 

@@ -1,5 +1,11 @@
 """The jitted HGRPO update: recompute log-probs under the current experts, losses, AdamW.
 
+Layout of this module (~470 lines: the step and its host driver stay together so that callers
+import one module): :class:`TrainConfig` and the optimiser; :class:`TrainState` and the pure
+pieces of :func:`train_step` (``lora_gradients``, ``route_gradients``, ``apply_gradients``),
+jitted plainly or with shardings (``make_train_step`` / ``make_sharded_train_step``); the
+:class:`Trainer`, a thin host driver that pads, buckets and calls the step.
+
 Only the trainable pytree ``{"bank": expert bank, "router": router params}`` reaches optax; the
 frozen backbone params are a separate argument and are never differentiated or updated.
 
@@ -14,8 +20,9 @@ steps once per task, the authors' code steps once per node (scale 1 per node); h
 The regularisers enter every update that runs (also when no route has a non-zero A_cross); an
 update runs when some candidate or route carries a non-zero advantage. A merge candidate's
 inherited subtask experts are in its forward pass but get no gradient from it
-(``SequenceExample.expert_trainable``). Micro-batches of sequences are accumulated on the host
-(gradients are sums, so exact). ``ppo_epochs`` passes over the same examples each take an
+(``SequenceExample.expert_trainable``). Gradients are sums over candidates, so micro-batches
+accumulate exactly: :class:`TrainState` carries the running sum (``grad_sum``), each micro-batch
+adds its gradient to it on device, and the optimiser step consumes it (:func:`train_step`). ``ppo_epochs`` passes over the same examples each take an
 optimiser step; the old log-probs stay the sampler's, so the PPO clip acts from the second pass.
 
 Cost (see bench/train_step.py): only the last L_adapt layers are differentiated (the frozen
@@ -32,20 +39,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 
 from morse_jax.models.config import ModelConfig
-from morse_jax.models.transformer import forward, init_cache, split_segments
+from morse_jax.models.transformer import split_segments
 from morse_jax.mole import router as rt
-from morse_jax.mole.experts import ExpertBankSpec, gather_lora, init_expert_bank
+from morse_jax.mole.experts import ExpertBankSpec, init_expert_bank
+from morse_jax.parallel.jit import ShapeKeyedJit
+from morse_jax.parallel.sharding import batch_shardings, param_shardings, replicated, shard_params
 from morse_jax.rl import losses
-from morse_jax.rl.batch import (RouteExample, SequenceExample, group_order, pad_routes, pad_sequences, pad_shared,
-                                share_key)
+from morse_jax.rl.batch import (RouteBatch, RouteExample, SequenceBatch, SequenceExample, SharedBatch, group_order,
+                                pad_routes, pad_sequences, pad_shared, share_key)
+from morse_jax.rl.logprobs import sequence_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,180 +136,249 @@ def init_trainable(key: jax.Array, model_cfg: ModelConfig, spec: ExpertBankSpec,
     return trainable
 
 
-def sequence_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, bank, batch, *,
-                      start_layer: int = 0) -> jax.Array:
-    """log p(target) at every position under the given experts: float32[R, L] (0 where masked).
 
-    With ``batch["states"]`` (``with_states`` padding) the layers before ``start_layer`` (the
-    first adapted one) are not run: the states are the residual stream entering it.
+# --------------------------------------------------------------------------- the pure step
 
-    With ``batch["logit_index"]`` (int32[R, C], each row's generated positions, from
-    ``pad_sequences``) the LM head runs at those R*C positions only (with 200-token prompts,
-    half of R*L). A prompt-sharing batch (``pad_shared``) goes to :func:`shared_logprobs` and
-    gives float32[R, Lc], entry j for completion token j.
+
+@struct.dataclass
+class TrainState:
+    """Everything one update changes, as one pytree (trainable and optimiser only: the frozen
+    backbone is a separate argument, sharded differently and never donated).
+
+    params: {"bank": expert bank, "router": router params}, the only differentiated tree.
+    opt_state: ``make_optimizer(cfg)``'s state over ``params`` (its Adam counts are the step).
+    grad_sum: a tree like ``params``: this update's gradients summed so far over its micro-batches
+      and route batch; zeros between updates (``apply_gradients`` consumes and resets it).
+    No PRNG key: nothing in the update is random.
     """
-    if "prompt_tokens" in batch:
-        return shared_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer)
-    start, states = _restart(batch, "states", start_layer)
-    lora = None
-    if spec is not None and bank is not None:
-        lora = gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"], batch.get("expert_trainable"))
-    hidden, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], lora=lora, logits_mode="hidden",
-                        start_layer=start, hidden=states)
-    if "logit_index" not in batch:
-        return token_logprobs(frozen, model_cfg, hidden, batch["targets"]) * batch["target_mask"]
-    idx = batch["logit_index"]
-    h = jnp.take_along_axis(hidden, idx[..., None], axis=1)  # [R, C, d]
-    lp = token_logprobs(frozen, model_cfg, h, jnp.take_along_axis(batch["targets"], idx, axis=1))
-    rows = jnp.arange(idx.shape[0])[:, None]
-    # padding entries of the index repeat a position with weight 0, so the scatter-add is exact
-    out = jnp.zeros(batch["targets"].shape, jnp.float32).at[rows, idx].add(lp * batch["logit_mask"])
-    return out * batch["target_mask"]
+
+    params: Any
+    opt_state: Any
+    grad_sum: Any
+
+    @classmethod
+    def create(cls, params, opt_state) -> "TrainState":
+        return cls(params=params, opt_state=opt_state, grad_sum=jax.tree.map(jnp.zeros_like, params))
 
 
-def _restart(batch, name: str, start_layer: int):
-    """(start layer, states) for ``forward``: (start_layer, batch[name]) if the batch has states."""
-    if name not in batch:
-        return 0, None
-    if start_layer <= 0:
-        raise ValueError(f"the batch has {name} but start_layer={start_layer}: pass the first adapted layer")
-    return start_layer, batch[name]
+@struct.dataclass
+class UpdateBatch:
+    """One optimiser step's data: ``sequences`` the LoRA micro-batches (one layout, all
+    ``SequenceBatch`` or all ``SharedBatch``), ``routes`` the router batch or None (no subtask
+    experts); ``reinforce`` (static) selects the router's REINFORCE form (first PPO pass)."""
+
+    sequences: tuple
+    routes: RouteBatch | None
+    reinforce: bool = struct.field(pytree_node=False, default=True)
 
 
-def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, bank, batch, *,
-                    start_layer: int = 0) -> jax.Array:
-    """Completion log-probs for a prompt-sharing batch (``rl.batch.pad_shared``): float32[R, Lc],
-    entry j the log-prob of completion token j (0 where masked).
+def lora_gradients(state: TrainState, frozen, batch: SequenceBatch | SharedBatch, *, model_cfg: ModelConfig,
+                   spec: ExpertBankSpec, cfg: TrainConfig, start_layer: int) -> tuple[TrainState, dict]:
+    """Add one micro-batch's LoRA-loss gradient (w.r.t. the bank) to ``state.grad_sum``.
 
-    The prompt rows run into a KV cache; each candidate row continues from a copy of its prompt
-    row's cache. Gradients reach the experts through both passes (the prompt's adapted-layer
-    keys and values depend on them).
+    Metrics (float32 scalars): lora_loss, clip_fraction, approx_kl, ratio_mean (token means),
+    logp_gap_max / logp_gap_mean (|new - behaviour| log-prob), token_nll, tokens (mask sum),
+    kl_to_base when ``cfg.kl_beta > 0``.
     """
-    use = spec is not None and bank is not None
-    P, Lp = batch["prompt_tokens"].shape
-    Lc = batch["tokens"].shape[1]
-    start, prompt_states = _restart(batch, "prompt_states", start_layer)
-    comp_states = batch["states"] if start else None  # pad_shared writes both or neither
-    cache = init_cache(model_cfg, frozen, P, Lp, frozen["embed"].dtype, start_layer=start)
-    lora = (gather_lora(bank, spec, batch["prompt_expert_ids"], batch["prompt_expert_weights"],
-                        batch.get("prompt_expert_trainable")) if use else None)
-    h_prompt, cache = forward(frozen, model_cfg, batch["prompt_tokens"], valid=batch["prompt_valid"], cache=cache,
-                              lora=lora, logits_mode="hidden", start_layer=start, hidden=prompt_states)
-    rows = batch["prompt_row"]
 
-    def widen(x):  # each candidate's copy of its prompt's cache, with Lc free slots after the prompt
-        x = jnp.take(x, rows, axis=x.ndim - 4)  # stacked segments [n, P, S, K, D], unrolled [P, S, K, D]
-        return jnp.pad(x, [(0, Lc if a == x.ndim - 3 else 0) for a in range(x.ndim)])
+    def loss_fn(bank):
+        new_logp = sequence_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer)
+        mask = batch.target_mask
+        norm = cfg.loss_normalisation
+        loss, m = losses.ppo_clip_token_loss(new_logp, batch.old_logp, mask, batch.advantages, eps=cfg.ppo_eps,
+                                             eps_high=cfg.ppo_eps_high, normalisation=norm)
+        if cfg.kl_beta > 0:  # base = same backbone with experts off: no extra weights copy
+            base = jax.lax.stop_gradient(sequence_logprobs(frozen, model_cfg, None, None, batch,
+                                                           start_layer=start_layer))
+            kl = losses.kl_to_base(new_logp, base, mask, norm)
+            loss = loss + cfg.kl_beta * kl
+            m = {**m, "kl_to_base": kl}
+        n_tok = jnp.maximum(mask.sum(), 1.0)
+        gap = jnp.abs(jax.lax.stop_gradient(new_logp) - batch.old_logp) * mask
+        m = {**m, "logp_gap_max": gap.max(), "logp_gap_mean": gap.sum() / n_tok,
+             "token_nll": -(jax.lax.stop_gradient(new_logp) * mask).sum() / n_tok, "tokens": mask.sum()}
+        return loss, m
 
-    cache = {"layers": jax.tree.map(widen, cache["layers"]),
-             "valid": jnp.pad(cache["valid"][rows], ((0, 0), (0, Lc))), "index": cache["index"]}
-    lora = (gather_lora(bank, spec, batch["expert_ids"], batch["expert_weights"], batch.get("expert_trainable"))
-            if use else None)
-    h_comp, _ = forward(frozen, model_cfg, batch["tokens"], valid=batch["valid"], cache=cache, lora=lora,
-                        logits_mode="hidden", start_layer=start, hidden=comp_states)
-    # completion token 0 is predicted at the prompt's last slot, token j at completion slot j-1
-    hidden = jnp.concatenate([h_prompt[rows, -1][:, None], h_comp[:, :-1]], axis=1)
-    return token_logprobs(frozen, model_cfg, hidden, batch["tokens"]) * batch["target_mask"]
+    (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params["bank"])
+    grad_sum = {**state.grad_sum, "bank": jax.tree.map(jnp.add, state.grad_sum["bank"], g)}
+    return state.replace(grad_sum=grad_sum), {**metrics, "lora_loss": loss}
 
 
-def token_logprobs(frozen, model_cfg: ModelConfig, hidden: jax.Array, targets: jax.Array) -> jax.Array:
-    """log softmax(LM head(hidden))[target]: float32[...] for hidden [..., d], targets int32[...].
+def route_gradients(state: TrainState, embed, batch: RouteBatch, *, cfg: TrainConfig,
+                    reinforce: bool) -> tuple[TrainState, dict]:
+    """Add the router loss's gradient (Eq. 8 plus the entropy and orthogonality regularisers,
+    w.r.t. the router) to ``state.grad_sum``. ``embed``: the backbone's input embedding [V, d].
 
-    Computed as logit[target] - logsumexp(logits): unlike a full log_softmax, no second [..., V]
-    array is written and read back (the head's elementwise passes were ~1/3 of its time on CPU).
+    Metrics: router_loss, clip_fraction, ratio_mean, routing_entropy, orthogonality (scalars),
+    expert_usage f32[num_subtask] (route members counted over real rows).
     """
-    head = frozen["embed"].T if model_cfg.tie_embeddings else frozen["lm_head"]
-    logits = jnp.einsum("...d,dv->...v", hidden, head).astype(jnp.float32)
-    if model_cfg.final_logit_softcap:
-        logits = jnp.tanh(logits / model_cfg.final_logit_softcap) * model_cfg.final_logit_softcap
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+    c = cfg
+
+    def loss_fn(router):
+        emb = rt.subtask_embedding(embed, batch.desc_ids, batch.desc_mask)
+        probs = rt.router_probs(router, emb, temperature=c.router_temperature)
+        set_fn = rt.approx_set_log_prob if c.approx_set_logp else rt.set_log_prob
+        set_logp = set_fn(probs, batch.members)
+        loss, m = losses.router_loss(set_logp, batch.old_set_logp, batch.advantages, alpha_pi=c.alpha_pi,
+                                     eps=c.ppo_eps, reinforce=reinforce)
+        w = batch.row_mask
+        ent = jnp.sum(losses.routing_entropy(probs) * w) / jnp.maximum(w.sum(), 1.0)
+        ortho = losses.prototype_orthogonality(router["prototypes"])
+        total = loss - c.entropy_weight * ent + c.orthogonality_weight * ortho
+        usage = jnp.sum(jax.nn.one_hot(batch.members, probs.shape[-1]) * w[:, None, None], axis=(0, 1))
+        return total, {**m, "router_loss": loss, "routing_entropy": ent, "orthogonality": ortho,
+                       "expert_usage": usage}
+
+    (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params["router"])
+    grad_sum = {**state.grad_sum, "router": jax.tree.map(jnp.add, state.grad_sum["router"], g)}
+    return state.replace(grad_sum=grad_sum), metrics
+
+
+def apply_gradients(state: TrainState, *, tx: optax.GradientTransformation) -> tuple[TrainState, dict]:
+    """One optimiser step with ``state.grad_sum``, which is then reset to zeros.
+    Metrics: grad_norm, grad_norm_lora, grad_norm_router (before any clipping)."""
+    grads = state.grad_sum
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    norms = {"grad_norm": optax.global_norm(grads), "grad_norm_lora": optax.global_norm(grads["bank"]),
+             "grad_norm_router": optax.global_norm(grads["router"])}
+    return TrainState(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
+                      grad_sum=jax.tree.map(jnp.zeros_like, grads)), norms
+
+
+def combine_metrics(lora_parts: Sequence[dict], route_metrics: dict | None) -> dict:
+    """One update's metrics (host numpy) from its micro-batches' and route batch's: lora_loss
+    summed, logp_gap_max the max, the other LoRA metrics token-weighted means."""
+    metrics = {k: np.asarray(v) for k, v in (route_metrics or {}).items()}
+    if lora_parts:
+        tok = sum(float(p["tokens"]) for p in lora_parts)
+        metrics["lora_loss"] = sum(float(p["lora_loss"]) for p in lora_parts)
+        for k in ("clip_fraction", "approx_kl", "ratio_mean", "logp_gap_mean", "token_nll", "kl_to_base"):
+            if k in lora_parts[0]:
+                metrics[k] = sum(float(p[k]) * float(p["tokens"]) for p in lora_parts) / max(tok, 1.0)
+        metrics["logp_gap_max"] = max(float(p["logp_gap_max"]) for p in lora_parts)
+    return metrics
+
+
+@dataclasses.dataclass
+class TrainStep:
+    """``train_step(state, frozen, batch) -> (state, metrics)`` from the jitted pure pieces.
+
+    The pieces are jitted separately, each once per batch layout (shape signature): the number
+    of micro-batches varies from update to update (it follows the candidates with a non-zero
+    advantage), and a step jitted as a whole (``lax.scan`` over stacked micro-batches) would
+    compile again for every new count. The sum is still formed on device, inside the jitted
+    gradient function (``TrainState.grad_sum``). ``compile_count`` counts traces of the three.
+    """
+
+    lora: Callable  # (state, frozen, SequenceBatch | SharedBatch) -> (state, metrics)
+    routes: Callable  # (state, embed, RouteBatch, reinforce=bool) -> (state, metrics)
+    apply: Callable  # (state) -> (state, norms); donates the state
+    logprobs: Callable  # (frozen, bank=, batch=) -> float32[R, L] or [R, Lc]
+    traces: list = dataclasses.field(default_factory=list)
+
+    @property
+    def compile_count(self) -> int:
+        return len(self.traces)
+
+    def __call__(self, state: TrainState, frozen, batch: UpdateBatch, progress=None) -> tuple[TrainState, dict]:
+        parts = []
+        for micro in batch.sequences:
+            state, m = self.lora(state, frozen, micro)
+            parts.append(m)
+            if progress is not None:
+                progress(1)
+        route_metrics = None
+        if batch.routes is not None:
+            state, route_metrics = self.routes(state, frozen["embed"], batch.routes, reinforce=batch.reinforce)
+        metrics = combine_metrics(parts, route_metrics)
+        state, norms = self.apply(state)
+        metrics.update(norms)
+        return state, metrics
+
+
+def _traced(fn: Callable, traces: list, name: str) -> Callable:
+    """``fn`` noting each trace in ``traces`` (runs at trace time only, so it counts compiles)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        traces.append(name)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _pure_pieces(model_cfg: ModelConfig, spec: ExpertBankSpec, cfg: TrainConfig, start_layer: int, traces: list):
+    statics = dict(model_cfg=model_cfg, spec=spec, cfg=cfg, start_layer=start_layer)
+    lora = _traced(functools.partial(lora_gradients, **statics), traces, "lora")
+    routes = _traced(functools.partial(route_gradients, cfg=cfg), traces, "routes")
+    apply = _traced(functools.partial(apply_gradients, tx=make_optimizer(cfg)), traces, "apply")
+
+    def logprobs(frozen, bank, batch):
+        return sequence_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer)
+
+    return lora, routes, apply, logprobs
+
+
+def make_train_step(model_cfg: ModelConfig, spec: ExpertBankSpec, cfg: TrainConfig, *,
+                    start_layer: int) -> TrainStep:
+    """The step on one device (or wherever the arguments live): plain ``jax.jit``."""
+    traces: list = []
+    lora, routes, apply, logprobs = _pure_pieces(model_cfg, spec, cfg, start_layer, traces)
+    return TrainStep(lora=jax.jit(lora), routes=jax.jit(routes, static_argnames=("reinforce",)),
+                     apply=jax.jit(apply, donate_argnums=(0,)), logprobs=jax.jit(logprobs), traces=traces)
+
+
+def make_sharded_train_step(mesh, frozen, model_cfg: ModelConfig, spec: ExpertBankSpec, cfg: TrainConfig, *,
+                            start_layer: int) -> tuple[Any, TrainStep]:
+    """(frozen placed on ``mesh``, the step with explicit shardings): frozen weights by the
+    logical-axis rules (``parallel.sharding``), batch rows split over (data, fsdp), the train
+    state, gradients, metrics and log-probs replicated (so every process can read them)."""
+    frozen = shard_params(mesh, frozen, model_cfg)
+    f_sh = param_shardings(mesh, frozen, model_cfg)
+    rep = replicated(mesh)
+    traces: list = []
+    lora, routes, apply, logprobs = _pure_pieces(model_cfg, spec, cfg, start_layer, traces)
+
+    def like(tree):
+        return jax.tree.map(lambda _: rep, tree)
+
+    step = TrainStep(
+        lora=ShapeKeyedJit(lora, lambda a, _: ((like(a[0]), f_sh, batch_shardings(mesh, a[2])), rep)),
+        routes=ShapeKeyedJit(routes, lambda a, _: ((like(a[0]), f_sh["embed"], batch_shardings(mesh, a[2])), rep),
+                             static_argnames=("reinforce",)),
+        apply=ShapeKeyedJit(apply, lambda a, _: ((like(a[0]),), rep), donate_argnums=(0,)),
+        logprobs=ShapeKeyedJit(logprobs, lambda a, _: ((f_sh, like(a[1]), batch_shardings(mesh, a[2])), rep)),
+        traces=traces)
+    return frozen, step
+
+
+# --------------------------------------------------------------------------- host driver
 
 
 class Trainer:
-    """Owns the jitted gradient functions for one backbone and bank layout.
+    """Host-side driver of :func:`train_step` for one backbone and bank layout: micro-batching,
+    padding to buckets, one :class:`TrainState` per update, metrics to floats.
 
-    With a ``mesh`` the functions run with explicit in/out shardings: frozen weights by the
-    logical-axis rules, batch rows split over (data, fsdp), trainable params, gradients and
-    optimizer state replicated (``morse_jax.parallel.jit.trainer_functions``).
+    With a ``mesh`` the step's pieces run with explicit in/out shardings
+    (:func:`make_sharded_train_step`); the frozen params are placed on the mesh once, here.
     """
 
     def __init__(self, model_cfg: ModelConfig, frozen_params, spec: ExpertBankSpec, cfg: TrainConfig, mesh=None):
-        self.model_cfg, self.spec, self.cfg = model_cfg, spec, cfg
-        self.frozen = split_segments(frozen_params, spec.n_adapt)
+        self.model_cfg, self.spec, self.cfg, self.mesh = model_cfg, spec, cfg, mesh
         self.tx = make_optimizer(cfg)
-        self.compile_count = 0
         self.start_layer = model_cfg.num_layers - spec.n_adapt  # where prefix_states enter
-        self._lora_grad = jax.jit(self._lora_grad_impl)
-        self._router_grad = jax.jit(self._router_grad_impl, static_argnames=("reinforce",))
-        self._apply = jax.jit(self._apply_impl, donate_argnums=(0, 1))
-        self._logprobs = jax.jit(functools.partial(sequence_logprobs, model_cfg=model_cfg, spec=spec,
-                                                   start_layer=self.start_layer))
-        self.mesh = mesh
-        if mesh is not None:  # frozen params and batches sharded, trainable replicated (morse_jax.parallel)
-            from morse_jax.parallel.jit import trainer_functions
+        frozen = split_segments(frozen_params, spec.n_adapt)
+        if mesh is None:
+            self.frozen = frozen
+            self.train_step = make_train_step(model_cfg, spec, cfg, start_layer=self.start_layer)
+        else:
+            self.frozen, self.train_step = make_sharded_train_step(mesh, frozen, model_cfg, spec, cfg,
+                                                                   start_layer=self.start_layer)
 
-            self.frozen, self._lora_grad, self._router_grad, self._apply, self._logprobs = trainer_functions(self, mesh)
-
-    # ---------------------------------------------------------------- device
-
-    def _lora_grad_impl(self, trainable, frozen, batch):
-        self.compile_count += 1
-
-        def loss_fn(bank):
-            new_logp = sequence_logprobs(frozen, self.model_cfg, self.spec, bank, batch, start_layer=self.start_layer)
-            mask = batch["target_mask"]
-            norm = self.cfg.loss_normalisation
-            loss, m = losses.ppo_clip_token_loss(new_logp, batch["old_logp"], mask, batch["advantages"],
-                                                 eps=self.cfg.ppo_eps, eps_high=self.cfg.ppo_eps_high,
-                                                 normalisation=norm)
-            if self.cfg.kl_beta > 0:  # base = same backbone with experts off: no extra weights copy
-                base = jax.lax.stop_gradient(sequence_logprobs(frozen, self.model_cfg, None, None, batch,
-                                                               start_layer=self.start_layer))
-                kl = losses.kl_to_base(new_logp, base, mask, norm)
-                loss = loss + self.cfg.kl_beta * kl
-                m = {**m, "kl_to_base": kl}
-            n_tok = jnp.maximum(mask.sum(), 1.0)
-            gap = jnp.abs(jax.lax.stop_gradient(new_logp) - batch["old_logp"]) * mask
-            m = {**m, "logp_gap_max": gap.max(), "logp_gap_mean": gap.sum() / n_tok,
-                 "token_nll": -(jax.lax.stop_gradient(new_logp) * mask).sum() / n_tok, "tokens": mask.sum()}
-            return loss, m
-
-        (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(trainable["bank"])
-        grads = {"bank": g, "router": jax.tree.map(jnp.zeros_like, trainable["router"])}
-        return grads, {**metrics, "lora_loss": loss}
-
-    def _router_grad_impl(self, trainable, embed, batch, *, reinforce):
-        self.compile_count += 1
-        c = self.cfg
-
-        def loss_fn(router):
-            emb = rt.subtask_embedding(embed, batch["desc_ids"], batch["desc_mask"])
-            probs = rt.router_probs(router, emb, temperature=c.router_temperature)
-            set_fn = rt.approx_set_log_prob if c.approx_set_logp else rt.set_log_prob
-            set_logp = set_fn(probs, batch["members"])
-            loss, m = losses.router_loss(set_logp, batch["old_set_logp"], batch["advantages"], alpha_pi=c.alpha_pi,
-                                         eps=c.ppo_eps, reinforce=reinforce)
-            w = batch["row_mask"]
-            ent = jnp.sum(losses.routing_entropy(probs) * w) / jnp.maximum(w.sum(), 1.0)
-            ortho = losses.prototype_orthogonality(router["prototypes"])
-            total = loss - c.entropy_weight * ent + c.orthogonality_weight * ortho
-            usage = jnp.sum(jax.nn.one_hot(batch["members"], probs.shape[-1]) * w[:, None, None], axis=(0, 1))
-            return total, {**m, "router_loss": loss, "routing_entropy": ent, "orthogonality": ortho,
-                           "expert_usage": usage}
-
-        (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(trainable["router"])
-        grads = {"bank": jax.tree.map(jnp.zeros_like, trainable["bank"]), "router": g}
-        return grads, metrics
-
-    def _apply_impl(self, trainable, opt_state, grads):
-        self.compile_count += 1
-        updates, opt_state = self.tx.update(grads, opt_state, trainable)
-        norms = {"grad_norm": optax.global_norm(grads), "grad_norm_lora": optax.global_norm(grads["bank"]),
-                 "grad_norm_router": optax.global_norm(grads["router"])}  # before any clipping
-        return optax.apply_updates(trainable, updates), opt_state, norms
-
-    # ---------------------------------------------------------------- host
+    @property
+    def compile_count(self) -> int:
+        """Traces (= compiles) of the step's gradient and optimiser functions so far."""
+        return self.train_step.compile_count
 
     def init_opt_state(self, trainable):
         return self.tx.init(trainable)
@@ -315,20 +395,13 @@ class Trainer:
         """
         if not seqs and not any(r.advantage != 0.0 for r in routes):
             return trainable, opt_state, {"skipped_update": 1.0}
-        scale = 1.0 / max(num_groups, 1)
-        shared, chunks = self._micro_batches(seqs)
-        states = self._use_states(seqs)
-        batches = [self._pad([seqs[i] for i in idx], shared, scale, states) for idx in chunks]
-        route_batch = None
-        if self.spec.num_subtask > 0:
-            rows = next((b for b in self.cfg.route_buckets if b >= len(routes)), len(routes))
-            route_batch = pad_routes(routes, rows=rows, k=self.cfg.router_k, scale=scale)
+        batch = self.batch(seqs, routes, num_groups=num_groups, reinforce=reinforce)
+        state = TrainState.create(trainable, opt_state)
         first = {}
         for epoch in range(self.cfg.ppo_epochs):
-            grads, metrics = self._gradients(trainable, batches, route_batch, reinforce=reinforce and epoch == 0,
+            # REINFORCE for the router on the first pass only (its gradient is PPO's at ratio 1)
+            state, metrics = self.train_step(state, self.frozen, batch.replace(reinforce=reinforce and epoch == 0),
                                              progress=progress)
-            trainable, opt_state, norms = self._apply(trainable, opt_state, grads)
-            metrics.update(norms)
             if epoch == 0:
                 first = metrics
         if self.cfg.ppo_epochs > 1:
@@ -338,33 +411,22 @@ class Trainer:
         for k, v in metrics.items():
             v = np.asarray(v)
             out[k] = v.tolist() if v.ndim else float(v)
-        return trainable, opt_state, out
+        return state.params, state.opt_state, out
 
-    def _gradients(self, trainable, batches, route_batch, *, reinforce: bool, progress=None):
-        """(grads summed over the micro-batches and the router batch, metrics) at ``trainable``."""
-        grads, metrics, parts = None, {}, []
-        for batch in batches:
-            g, m = self._lora_grad(trainable, self.frozen, batch)
-            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-            parts.append(m)
-            if progress is not None:
-                progress(1)
-        if route_batch is not None:
-            g, m = self._router_grad(trainable, self.frozen["embed"], route_batch, reinforce=reinforce)
-            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-            metrics.update({k: np.asarray(v) for k, v in m.items()})
-        if parts:
-            tok = sum(float(p["tokens"]) for p in parts)
-            metrics["lora_loss"] = sum(float(p["lora_loss"]) for p in parts)
-            for k in ("clip_fraction", "approx_kl", "ratio_mean", "logp_gap_mean", "token_nll", "kl_to_base"):
-                if k in parts[0]:
-                    metrics[k] = sum(float(p[k]) * float(p["tokens"]) for p in parts) / max(tok, 1.0)
-            metrics["logp_gap_max"] = max(float(p["logp_gap_max"]) for p in parts)
-        if grads is None:  # only router-less route examples: nothing to differentiate
-            grads = jax.tree.map(jnp.zeros_like, trainable)
-        return grads, metrics
+    def batch(self, seqs: Sequence[SequenceExample], routes: Sequence[RouteExample], *, num_groups: int,
+              reinforce: bool = True) -> UpdateBatch:
+        """The padded :class:`UpdateBatch` of one update (advantages scaled by 1/num_groups)."""
+        scale = 1.0 / max(num_groups, 1)
+        shared, chunks = self.micro_batches(seqs)
+        states = self.use_states(seqs)
+        micro = tuple(self._pad([seqs[i] for i in idx], shared, scale, states) for idx in chunks)
+        route_batch = None
+        if self.spec.num_subtask > 0:
+            rows = next((b for b in self.cfg.route_buckets if b >= len(routes)), len(routes))
+            route_batch = pad_routes(routes, rows=rows, k=self.cfg.router_k, scale=scale)
+        return UpdateBatch(sequences=micro, routes=route_batch, reinforce=reinforce)
 
-    def _micro_batches(self, seqs: Sequence[SequenceExample]) -> tuple[bool, list[list[int]]]:
+    def micro_batches(self, seqs: Sequence[SequenceExample]) -> tuple[bool, list[list[int]]]:
         """(shared, index lists): the prompt-sharing layout when it at least halves the prompts run
         (decided once per update, so one update compiles one layout), else flat micro-batches.
 
@@ -390,13 +452,13 @@ class Trainer:
             chunks[-1].extend(run)
         return True, chunks
 
-    def _use_states(self, seqs: Sequence[SequenceExample]) -> bool:
+    def use_states(self, seqs: Sequence[SequenceExample]) -> bool:
         """Restart at the first adapted layer: decided once per update (one layout, one compile)."""
         return (self.cfg.reuse_prefix_states and self.start_layer > 0 and bool(seqs)
                 and all(e.prefix_states is not None for e in seqs))
 
     def _pad(self, chunk: Sequence[SequenceExample], shared: bool, scale: float = 1.0,
-             states: bool = False) -> dict[str, np.ndarray]:
+             states: bool = False) -> SequenceBatch | SharedBatch:
         c = self.cfg
         if shared:
             return pad_shared(chunk, rows=c.micro_batch, buckets=c.completion_buckets or c.length_buckets,
@@ -407,11 +469,11 @@ class Trainer:
     def logprobs(self, bank, seqs: Sequence[SequenceExample]) -> list[np.ndarray]:
         """Per-example completion log-probs under ``bank`` (for checks against the sampler)."""
         out: list[np.ndarray | None] = [None] * len(seqs)
-        shared, chunks = self._micro_batches(seqs)
-        states = self._use_states(seqs)
+        shared, chunks = self.micro_batches(seqs)
+        states = self.use_states(seqs)
         for idx in chunks:
             batch = self._pad([seqs[i] for i in idx], shared, states=states)
-            lp = np.asarray(self._logprobs(self.frozen, bank=bank, batch=batch))
+            lp = np.asarray(self.train_step.logprobs(self.frozen, bank=bank, batch=batch))
             for row, i in enumerate(idx):
                 p, n = len(seqs[i].prompt_ids), len(seqs[i].completion_ids)
                 out[i] = lp[row, :n] if shared else lp[row, p - 1:p - 1 + n]

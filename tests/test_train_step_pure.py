@@ -1,0 +1,106 @@
+"""The pure update step (rl.update.train_step): same state and batch give the same result, and
+accumulating micro-batches gives the gradient of the summed per-example losses."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from morse_jax.models import ModelConfig, init_params
+from morse_jax.models.transformer import split_segments
+from morse_jax.mole.experts import ExpertBankSpec, execute_set
+from morse_jax.rl.batch import RouteExample, SequenceBatch, SequenceExample, pad_routes, pad_sequences
+from morse_jax.rl.logprobs import sequence_logprobs
+from morse_jax.rl.update import (TrainConfig, TrainState, UpdateBatch, init_trainable, make_optimizer,
+                                 make_train_step)
+
+CFG = ModelConfig(family="llama", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+SPEC = ExpertBankSpec(n_adapt=2)
+TCFG = TrainConfig(lora_lr=0.05, router_lr=0.05, micro_batch=2, length_buckets=(16,), router_dim=8,
+                   completion_buckets=None)
+START = CFG.num_layers - SPEC.n_adapt
+
+
+@pytest.fixture(scope="module")
+def setup():
+    params = init_params(jax.random.key(0), CFG)
+    params["lm_head"] = params["lm_head"] * 10.0  # logits that depend on the hidden state
+    frozen = split_segments(params, SPEC.n_adapt)
+    trainable = init_trainable(jax.random.key(1), CFG, SPEC, TCFG)
+    trainable["bank"]["b"] = jax.tree.map(lambda x: 0.1 * jax.random.normal(jax.random.key(2), x.shape),
+                                          trainable["bank"]["b"])
+    rng = np.random.default_rng(0)
+    seqs = []
+    for n, adv in enumerate((1.0, -0.5, 2.0, -1.5)):
+        ids, ws = zip(*execute_set(SPEC, [n % 4, (n + 1) % 4]))
+        c = 3 + n
+        seqs.append(SequenceExample([1, 2, 3 + n], rng.integers(1, 32, c).tolist(),
+                                    (-1.0 - rng.random(c)).astype(np.float32), ids, ws, adv))
+    routes = [RouteExample([5, 6], (0, 1), -1.2, 0.7), RouteExample([7], (2, 3), -1.9, -0.7)]
+    return frozen, trainable, seqs, routes
+
+
+def _pad(seqs) -> SequenceBatch:
+    return pad_sequences(seqs, rows=len(seqs), length_buckets=(16,), max_active=TCFG.max_active)
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)  # the optimiser step donates its state
+
+
+def test_train_step_is_pure(setup):
+    frozen, trainable, seqs, routes = setup
+    step = make_train_step(CFG, SPEC, TCFG, start_layer=START)
+    batch = UpdateBatch(sequences=(_pad(seqs[:2]), _pad(seqs[2:])), routes=pad_routes(routes, rows=2, k=2),
+                        reinforce=True)
+    state = TrainState.create(trainable, make_optimizer(TCFG).init(trainable))
+    out = [step(_copy(state), frozen, batch) for _ in range(2)]
+    (s1, m1), (s2, m2) = out
+    jax.tree.map(np.testing.assert_array_equal, s1, s2)
+    assert m1.keys() == m2.keys()
+    for k in m1:
+        np.testing.assert_array_equal(m1[k], m2[k], err_msg=k)
+    # it moved the params, consumed the gradient sum, and left its input state alone
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(trainable)))
+    assert all(not np.any(x) for x in jax.tree.leaves(s1.grad_sum))
+    assert step.compile_count == 3  # LoRA micro-batch, route batch, optimiser: once each
+
+
+def _reference_bank_grad(frozen, bank, seqs):
+    """d/d bank of sum_n L_n, each example's loss from its own one-row batch:
+    L_n = -(1/|y_n|) sum_t min(r_t A_n, clip(r_t, 1-eps, 1+eps) A_n), r_t = exp(new_t - old_t)."""
+    eps = TCFG.ppo_eps
+
+    def total(bank):
+        out = 0.0
+        for e in seqs:
+            b = _pad([e])
+            p, c = len(e.prompt_ids), len(e.completion_ids)
+            new = sequence_logprobs(frozen, CFG, SPEC, bank, b)[0, p - 1:p - 1 + c]
+            r = jnp.exp(new - jnp.asarray(e.behaviour_logprobs))
+            out = out - jnp.mean(jnp.minimum(r * e.advantage, jnp.clip(r, 1 - eps, 1 + eps) * e.advantage))
+        return out
+
+    return jax.grad(total)(bank)
+
+
+def test_accumulated_micro_batches_equal_one_batch_and_the_summed_losses(setup):
+    frozen, trainable, seqs, _ = setup
+    step = make_train_step(CFG, SPEC, TCFG, start_layer=START)
+    state0 = TrainState.create(trainable, make_optimizer(TCFG).init(trainable))
+
+    acc = _copy(state0)
+    for micro in (_pad(seqs[:1]), _pad(seqs[1:3]), _pad(seqs[3:])):  # k = 3 micro-batches
+        acc, _ = step.lora(acc, frozen, micro)
+    one, _ = step.lora(_copy(state0), frozen, _pad(seqs))
+    ref = _reference_bank_grad(frozen, trainable["bank"], seqs)
+    for got, big, want in zip(jax.tree.leaves(acc.grad_sum["bank"]), jax.tree.leaves(one.grad_sum["bank"]),
+                              jax.tree.leaves(ref)):
+        scale = float(np.abs(want).max())
+        assert scale > 0
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * scale, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(big), np.asarray(want), atol=1e-5 * scale, rtol=1e-4)
+    assert all(not np.any(x) for x in jax.tree.leaves(acc.grad_sum["router"]))  # no route batch yet

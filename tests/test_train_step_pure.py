@@ -84,7 +84,7 @@ def _reference_bank_grad(frozen, bank, seqs):
             out = out - jnp.mean(jnp.minimum(r * e.advantage, jnp.clip(r, 1 - eps, 1 + eps) * e.advantage))
         return out
 
-    return jax.grad(total)(bank)
+    return jax.jit(jax.grad(total))(bank)  # jitted: eager op-by-op backward is slow on CPU
 
 
 def test_accumulated_micro_batches_equal_one_batch_and_the_summed_losses(setup):

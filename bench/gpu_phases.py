@@ -207,7 +207,7 @@ def phase_sample(args, cfg, spec, budget: Budget, result: dict, out: Path) -> No
 def update_examples(args, cfg, spec, rng):
     import jax.numpy as jnp
 
-    from morse_jax.rl.batch import RouteExample, SequenceExample
+    from morse_jax.rl.examples import RouteExample, SequenceExample
 
     comp = args.seq - args.update_prompt
     # one random residual stream shared by all sequences: values do not change the work

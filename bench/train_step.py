@@ -151,7 +151,7 @@ def build_examples(bb, spec, args, rng):
     has its own active set (role expert + 2 subtask experts); advantages from ``hgrpo_advantages``
     on random rewards; behaviour log-probs filled in later (``with_behaviour``)."""
     from morse_jax.mole.experts import execute_set
-    from morse_jax.rl.batch import RouteExample, SequenceExample
+    from morse_jax.rl.examples import RouteExample, SequenceExample
     from morse_jax.rl.hgrpo import hgrpo_advantages
 
     src = "\n".join(p.read_text() for p in sorted((Path(__file__).resolve().parents[1] / "morse_jax").rglob("*.py")))

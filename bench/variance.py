@@ -79,7 +79,8 @@ def collect(args):
 
     from morse_jax.run.build import Job
     from morse_jax.mole.experts import execute_set
-    from morse_jax.rl.batch import SequenceExample, pad_sequences
+    from morse_jax.rl.examples import SequenceExample
+    from morse_jax.rl.batch import pad_sequences
     from morse_jax.rl.logprobs import sequence_logprobs
     from morse_jax.sampling.sampler import Request
     from morse_jax.tasks.pyfuncs.family import PyFuncsFamily

@@ -11,7 +11,7 @@ import numpy as np
 
 from morse_jax.models import Backbone, ModelConfig, init_params
 from morse_jax.mole.experts import ExpertBankSpec
-from morse_jax.rl.batch import RouteExample, SequenceExample
+from morse_jax.rl.examples import RouteExample, SequenceExample
 from morse_jax.rl.update import TrainConfig, init_trainable
 from morse_jax.sampling.sampler import Request, SamplerConfig
 

@@ -109,7 +109,7 @@ def mode_logits(mesh) -> dict:
 
 
 def mode_step(mesh) -> dict:
-    from morse_jax.rl.batch import examples_from_groups
+    from morse_jax.rl.examples import examples_from_groups
     from morse_jax.rl.update import Trainer
     from morse_jax.sampling.sampler import Request, Sampler
     from parallel_common import CFG, SAMPLER, SPEC, TRAIN, backbone, trainable0

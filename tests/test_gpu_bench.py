@@ -92,7 +92,6 @@ def test_tiny_run_with_the_transformers_peer(tmp_path):
 def test_update_flops_counted_from_the_definition():
     g = _bench()
     from morse_jax.models.config import ModelConfig
-    from morse_jax.models.params import num_params
     from morse_jax.mole.experts import ExpertBankSpec
 
     d, f, H, K, D, V = 8, 16, 2, 1, 4, 10
@@ -119,6 +118,8 @@ def test_transformers_peer_has_our_shapes(name):
     pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
+
+    from morse_jax.models.params import num_params
 
     g = _bench()
     cfg = g.model_config(name, tiny=True)

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from morse_jax.models import gguf_meta
-from morse_jax.models.config import from_hf_config
+from morse_jax.models.hf_config import from_hf_config
 
 pytestmark = pytest.mark.gguf
 

@@ -235,7 +235,7 @@ def test_merge_routes_x_candidates_follows_the_execute_loop(merge_mode):
     else:
         assert all(1 in s and s <= union and len(s) >= 2 for s in sets)
     # the examples of each row form their own A_within group (Alg. 1 line 15)
-    from morse_jax.rl.batch import examples_from_groups
+    from morse_jax.rl.examples import examples_from_groups
     seqs, route_ex, _ = examples_from_groups([mg], advantage="hgrpo", num_roles=SPEC.num_roles)
     assert route_ex == []
     u = np.array([0.1, 0.3, 0.8])

@@ -19,7 +19,8 @@ from conftest import assert_same_update
 from morse_jax.models import Backbone, ModelConfig, init_params
 from morse_jax.models.transformer import forward, split_segments
 from morse_jax.mole.experts import ExpertBankSpec, execute_set
-from morse_jax.rl.batch import SequenceExample, examples_from_groups, pad_shared
+from morse_jax.rl.examples import SequenceExample, examples_from_groups
+from morse_jax.rl.batch import pad_shared
 from morse_jax.rl.update import Trainer, TrainConfig, init_trainable
 from morse_jax.sampling.sampler import Request, Sampler, SamplerConfig
 

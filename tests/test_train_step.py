@@ -13,7 +13,7 @@ from conftest import assert_same_update
 from morse_jax.models import Backbone, ModelConfig, init_params
 from morse_jax.mole import router as rt
 from morse_jax.mole.experts import ExpertBankSpec, execute_set, single_set
-from morse_jax.rl.batch import examples_from_groups
+from morse_jax.rl.examples import examples_from_groups
 from morse_jax.rl.update import Trainer, TrainConfig, init_trainable
 from morse_jax.sampling.sampler import Request, Sampler, SamplerConfig
 
@@ -136,7 +136,7 @@ def test_trainer_logprobs_equal_sampler_logprobs():
     reqs = [Request([1, 2, 3, 4, 5][: 2 + i % 4], *zip(*execute_set(spec, [i % 4, (i + 1) % 4])),
                     max_new_tokens=12, temperature=1.0) for i in range(6)]
     outs = sampler.generate(trainable["bank"], reqs, key=jax.random.key(5))
-    from morse_jax.rl.batch import SequenceExample
+    from morse_jax.rl.examples import SequenceExample
     seqs = [SequenceExample(r.prompt_ids, o.token_ids, o.logprobs, r.expert_ids, r.expert_weights, 1.0)
             for r, o in zip(reqs, outs)]
     trainer = Trainer(CFG, bb.params, spec, tcfg)
@@ -172,7 +172,7 @@ def test_nan_rewards_raise():
 def test_shared_prompt_update_equals_unshared():
     """share_prompts runs a prompt once per (prompt, active set) and continues every candidate
     from its KV cache; the update must equal running each candidate's whole sequence."""
-    from morse_jax.rl.batch import SequenceExample
+    from morse_jax.rl.examples import SequenceExample
 
     bb = _backbone()
     spec = ExpertBankSpec(n_adapt=2)

@@ -11,7 +11,8 @@ import pytest
 from morse_jax.models import ModelConfig, init_params
 from morse_jax.models.transformer import split_segments
 from morse_jax.mole.experts import ExpertBankSpec, execute_set
-from morse_jax.rl.batch import RouteExample, SequenceBatch, SequenceExample, pad_routes, pad_sequences
+from morse_jax.rl.examples import RouteExample, SequenceExample
+from morse_jax.rl.batch import SequenceBatch, pad_routes, pad_sequences
 from morse_jax.rl.logprobs import sequence_logprobs
 from morse_jax.rl.update import (TrainConfig, TrainState, UpdateBatch, init_trainable, make_optimizer,
                                  make_train_step)

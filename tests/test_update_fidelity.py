@@ -18,7 +18,8 @@ import pytest
 from morse_jax.models import ModelConfig, init_params
 from morse_jax.models.transformer import split_segments
 from morse_jax.mole.experts import ExpertBankSpec, execute_set, merge_set
-from morse_jax.rl.batch import RouteExample, SequenceExample, examples_from_groups, pad_routes, pad_sequences
+from morse_jax.rl.examples import RouteExample, SequenceExample, examples_from_groups
+from morse_jax.rl.batch import pad_routes, pad_sequences
 from morse_jax.rl.logprobs import sequence_logprobs
 from morse_jax.rl.update import Trainer, TrainConfig, TrainState, init_trainable, make_optimizer
 

@@ -7,7 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from morse_jax.models.config import ModelConfig, RopeSpec, from_hf_config
+from morse_jax.models.config import ModelConfig, RopeSpec
+from morse_jax.models.hf_config import from_hf_config
 from morse_jax.models.loading import (
     Backbone,
     WeightLoadError,

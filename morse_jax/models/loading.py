@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from morse_jax.models.config import ModelConfig, from_hf_config
+from morse_jax.models.config import ModelConfig
+from morse_jax.models.hf_config import from_hf_config
 from morse_jax.models.hf_import import import_transformers
 from morse_jax.models.params import param_shapes
 

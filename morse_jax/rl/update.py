@@ -1,7 +1,7 @@
 """The jitted HGRPO update: recompute log-probs under the current experts, losses, AdamW.
 
-Layout of this module (~470 lines: the step and its host driver stay together so that callers
-import one module): :class:`TrainConfig` and the optimiser; :class:`TrainState` and the pure
+Longer than 400 lines because the step and its host driver stay together, so that callers
+import one module. Layout: :class:`TrainConfig` and the optimiser; :class:`TrainState` and the pure
 pieces of :func:`train_step` (``lora_gradients``, ``route_gradients``, ``apply_gradients``),
 jitted plainly or with shardings (``make_train_step`` / ``make_sharded_train_step``); the
 :class:`Trainer`, a thin host driver that pads, buckets and calls the step.
@@ -54,8 +54,9 @@ from morse_jax.mole.experts import ExpertBankSpec, init_expert_bank
 from morse_jax.parallel.jit import ShapeKeyedJit
 from morse_jax.parallel.sharding import batch_shardings, param_shardings, replicated, shard_params
 from morse_jax.rl import losses
-from morse_jax.rl.batch import (RouteBatch, RouteExample, SequenceBatch, SequenceExample, SharedBatch, group_order,
-                                pad_routes, pad_sequences, pad_shared, share_key)
+from morse_jax.rl.examples import RouteExample, SequenceExample
+from morse_jax.rl.batch import (RouteBatch, SequenceBatch, SharedBatch, group_order, pad_routes, pad_sequences,
+                                pad_shared, share_key)
 from morse_jax.rl.logprobs import sequence_logprobs
 
 

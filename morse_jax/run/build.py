@@ -32,7 +32,7 @@ from morse_jax.models.chat import encode_chat, stop_token_ids
 from morse_jax.models.loading import embedded_model_path
 from morse_jax.models.transformer import split_segments
 from morse_jax.mole import router as rt
-from morse_jax.rl.batch import encode_descriptions
+from morse_jax.rl.examples import encode_descriptions
 from morse_jax.rl.update import Trainer, init_trainable
 from morse_jax.sampling.sampler import Sampler
 from morse_jax.tasks.base import Task, VerifyResult

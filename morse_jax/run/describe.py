@@ -18,7 +18,7 @@ UNKNOWN = "could not determine"
 
 def model_config_without_weights(path: str):
     """(ModelConfig, source) from config.json / GGUF metadata; raises with the reason otherwise."""
-    from morse_jax.models.config import from_hf_config
+    from morse_jax.models.hf_config import from_hf_config
 
     if not path:
         raise ValueError("config.model.path is empty")

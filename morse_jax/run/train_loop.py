@@ -11,7 +11,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from morse_jax.config.derived import train_steps
-from morse_jax.rl.batch import examples_from_groups
+from morse_jax.rl.examples import examples_from_groups
 from morse_jax.run.build import Job
 from morse_jax.run.evaluate import count_nodes, router_probs_records
 from morse_jax.run.faults import kill_at, kill_now

@@ -240,7 +240,7 @@ def phase_update(args, cfg, spec, budget: Budget, result: dict, out: Path) -> No
     result["setup_memory"] = setup
     mb = args.micro_batch
     while mb >= 1 and budget.left() > 0:
-        tcfg = TrainConfig(micro_batch=mb, max_active=1 + spec.num_subtask, length_buckets=(args.seq,))
+        tcfg = TrainConfig(micro_batch=mb, max_active=spec.max_active, length_buckets=(args.seq,))
         trainer = Trainer(cfg, bb.params, spec, tcfg)
         trainable = init_trainable(jax.random.key(3), cfg, spec, tcfg, jax.numpy.bfloat16)
         opt = trainer.init_opt_state(trainable)

@@ -136,7 +136,7 @@ def collect(args):
             rewards[b, p] = fam.verify(t, n, fam.extract_artifact(t, n, prefix + c.text)).reward
             ex = SequenceExample(ids, list(c.token_ids), np.asarray(c.logprobs, np.float32),
                                  reqs[j].expert_ids, reqs[j].expert_weights, 0.0)
-            batch = pad_sequences([ex], rows=1, length_buckets=(256, 384, 512, 768, 1024), max_active=1 + spec.num_subtask)
+            batch = pad_sequences([ex], rows=1, length_buckets=(256, 384, 512, 768, 1024), max_active=spec.max_active)
             g = grad_fn(job.trainable["bank"], jax.tree.map(jnp.asarray, batch))
             flat = np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(g)])
             grads[b, p] = flat[coords]

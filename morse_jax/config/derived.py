@@ -98,7 +98,7 @@ def train_config(cfg) -> TrainConfig:
                        max_grad_norm=t.max_grad_norm or None, ppo_eps=t.ppo_eps, ppo_epochs=t.ppo_epochs,
                        loss_normalisation=t.loss_normalisation, alpha_pi=t.alpha_pi,
                        entropy_weight=t.entropy_weight, orthogonality_weight=t.orthogonality_weight,
-                       kl_beta=t.kl_beta, approx_set_logp=t.approx_set_logp, router_k=cfg.mole.top_k,
+                       kl_beta=t.kl_beta, approx_set_logp=t.approx_set_logp, top_k=cfg.mole.top_k,
                        micro_batch=t.micro_batch, max_active=max_active(cfg),
                        reuse_prefix_states=t.reuse_prefix_states)
 

@@ -82,7 +82,7 @@ class TrainConfig:
     kl_beta: float = 0.0
     approx_set_logp: bool = False  # the authors' sum-of-log-probs approximation
     router_temperature: float = 1.0
-    router_k: int = 2
+    top_k: int = 2  # K: experts in a routed set (the config's mole.top_k, the orchestrator's top_k)
     router_dim: int = 128
     micro_batch: int = 8
     length_buckets: tuple[int, ...] = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -103,7 +103,7 @@ class TrainConfig:
     reuse_prefix_states: bool = True
 
     def __post_init__(self):
-        for name in ("lora_lr", "router_lr", "micro_batch", "router_k", "router_dim", "ppo_epochs"):
+        for name in ("lora_lr", "router_lr", "micro_batch", "top_k", "router_dim", "ppo_epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         if self.max_grad_norm is not None and self.max_grad_norm < 0:
@@ -424,7 +424,7 @@ class Trainer:
         route_batch = None
         if self.spec.num_subtask > 0:
             rows = next((b for b in self.cfg.route_buckets if b >= len(routes)), len(routes))
-            route_batch = pad_routes(routes, rows=rows, k=self.cfg.router_k, scale=scale)
+            route_batch = pad_routes(routes, rows=rows, k=self.cfg.top_k, scale=scale)
         return UpdateBatch(sequences=micro, routes=route_batch, reinforce=reinforce)
 
     def micro_batches(self, seqs: Sequence[SequenceExample]) -> tuple[bool, list[list[int]]]:

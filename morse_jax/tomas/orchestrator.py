@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from morse_jax.mole.experts import ExpertBankSpec
+from morse_jax.mole.router import check_top_k
 from morse_jax.sampling.sampler import Completion, Request
 from morse_jax.tasks.base import Task, TaskFamily
 from morse_jax.tasks.plan import Plan
@@ -99,8 +100,7 @@ class Orchestrator:
             for role in ("execute", "merge"):
                 if role not in spec.role_names:
                     raise ValueError(f"spec.role_names must contain {role!r} for variant {v!r}, got {spec.role_names}")
-            if config.top_k > spec.num_subtask:
-                raise ValueError(f"orchestrator.top_k={config.top_k} exceeds spec.num_subtask={spec.num_subtask}")
+            check_top_k(config.top_k, spec.num_subtask, "orchestrator.top_k", "spec.num_subtask")
             if route_fn is None or not callable(route_fn):
                 raise ValueError(f"route_fn: variant {v!r} needs a router callable")
         elif v == "single_lora":
@@ -114,9 +114,7 @@ class Orchestrator:
     @property
     def max_active(self) -> int:
         """Expert slots a request can need (the sampler's ``max_active`` must be at least this)."""
-        if self.config.variant in ("mole", "flat_mole"):
-            return 1 + self.spec.num_subtask  # a union merge can hold every subtask expert
-        return 1 if self.config.variant == "single_lora" else 0
+        return 0 if self.config.variant == "none" else self.spec.max_active
 
     # ------------------------------------------------------------------------------ public
 

@@ -255,3 +255,18 @@ def test_solve_answer_cannot_replace_a_merged_helper_and_top_level_calls_are_dro
     art = FAM.extract_artifact(task, node, reply, context=merged_reference(task.payload))
     assert FAM.verify(task, node, art).reward == 1.0
     assert FAM.stop_strings == ("```",)  # answers end at the closing fence (the prefix holds the opening one)
+
+
+def test_no_constant_answer_passes_every_hidden_test():
+    """A function that ignores its input and returns one fixed value must fail some hidden test:
+    so the expected values of every step's hidden tests are not all equal. In particular
+    ``word_lengths`` with ``len(w)`` sees words of different lengths (once all words had 5 letters
+    and ``return {w: 5 for w in words}`` passed)."""
+    lengths_seen = set()
+    for split in pd.SPLITS:
+        for task in pd.load_split(split):
+            for step in task.payload.steps:
+                assert len({repr(c.expected) for c in step.tests}) > 1, (task.id, step.node_id)
+                if step.spec.template == "dict.word_lengths" and "len(w)" in step.spec.reference:
+                    lengths_seen |= {v for c in step.tests for v in c.expected.values()}
+    assert len(lengths_seen) >= 3

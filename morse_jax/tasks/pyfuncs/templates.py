@@ -22,8 +22,9 @@ from typing import Any, Callable, Mapping
 
 KINDS = ("string", "parsing", "list", "dict", "format")
 
-_VOCAB = ("apple", "river", "stone", "cloud", "tiger", "lemon", "paper", "green", "night", "ocean",
-          "bread", "chair", "music", "plant", "smile", "train", "water", "zebra", "honey", "light")
+# Words of 3-6 letters: with one length for all, a constant answer passed ``word_lengths``.
+_VOCAB = ("sun", "cat", "tree", "bird", "kite", "apple", "river", "stone", "cloud", "lemon", "music", "honey",
+          "bread", "ocean", "orange", "garden", "window", "pencil", "rocket", "planet")
 
 
 def _text(rng: random.Random) -> str:

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from morse_jax.models.chat import stop_token_ids
+from morse_jax.mor.batch import NO_ROLE  # one definition, shared with the objective
 from morse_jax.tasks.trajectories import ROLE_NAMES, Trajectory
 
-NO_ROLE = -1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""The SFT batch: what MoR's objective and the SFT trainer exchange (one typed pytree).
+
+Lives in ``mor`` (a low layer) so that the objective (``morse_jax.mor``) and the trainer
+(``morse_jax.sft``, higher) share one definition. Rows are right-padded renderings of
+multi-role trajectories (``morse_jax.sft.data.render``), possibly packed.
+
+Shapes: B rows, T tokens.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+NO_ROLE = -1  # role id of tokens that get no adapter (system, user, observation, template glue, padding)
+
+
+@struct.dataclass
+class SFTBatch:
+    """One micro-batch of rendered trajectories.
+
+    Attributes:
+      tokens: int32[B, T] token ids (padding: any id, masked by ``valid``).
+      role_ids: int32[B, T] index into the role names, NO_ROLE (-1) for tokens with no role.
+      loss_mask: bool[B, T] True where the token is a prediction target (role-turn content and
+        its end-of-turn token); the CE of token t is predicted from position t - 1.
+      valid: bool[B, T] False at padding (never attended to, never a target).
+      positions: int32[B, T] rotary positions (restart at 0 in each packed segment).
+      segment_ids: int32[B, T] packed segment of each token (tokens attend only within their
+        segment); all zeros when rows are not packed.
+    """
+
+    tokens: jax.Array
+    role_ids: jax.Array
+    loss_mask: jax.Array
+    valid: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+
+    def check(self) -> "SFTBatch":
+        """Assert shapes and dtypes agree (call at module boundaries); returns self."""
+        chex.assert_rank(self.tokens, 2)
+        chex.assert_equal_shape([self.tokens, self.role_ids, self.loss_mask, self.valid, self.positions,
+                                 self.segment_ids])
+        chex.assert_type([self.tokens, self.role_ids, self.positions, self.segment_ids], jnp.int32)
+        chex.assert_type([self.loss_mask, self.valid], bool)
+        return self

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from morse_jax.kernels import probe, unavailable_reason
 from morse_jax.models import Backbone, ModelConfig, RopeSpec, forward, init_params, split_segments
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, init_expert_bank
 from morse_jax.models.decode import init_decode_cache
@@ -40,8 +41,10 @@ SPEC = ExpertBankSpec(num_subtask=4, rank=4, alpha=6.0, n_adapt=2)
 # compile costs seconds on this CPU, a generate call milliseconds). Five requests with max_batch
 # 4 also exercise micro-batching everywhere; prefill_rows=16 makes prefill chunks of 4 tokens, so
 # prompts of 1-32 tokens take 1-8 chunks.
+# The native kernels wherever they build ("auto" would also time them against XLA: kernels.probe),
+# so these tests cover the kernel path on every machine that can run it.
 SMALL = SamplerConfig(batch_buckets=(4,), prompt_buckets=(32,), new_token_buckets=(16,), max_batch=4, chunk=4,
-                      max_active=3, prefill_rows=16)
+                      max_active=3, prefill_rows=16, cpu_kernels="on" if unavailable_reason() is None else "off")
 PROMPT_LENS = (3, 11, 1, 7, 16)
 # Per-row active sets: empty (base model), one expert, a weighted mix, padding-weight only.
 SETS = [[], [(0, 1.0)], [(1, 0.5), (3, 0.3), (5, 0.2)], [(2, 0.0)], [(4, 0.5), (0, 0.5)]]
@@ -198,7 +201,8 @@ def test_expert_sets_take_effect_per_row(tiny):
         np.testing.assert_allclose(got_zero[r].logprobs, base[r].logprobs, rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize("variant", [dict(decode_path="model"), dict(lora_compose="gather", prefill_rows=512),
+@pytest.mark.parametrize("variant", [dict(decode_path="model", cpu_kernels="off"),
+                                     dict(lora_compose="gather", prefill_rows=512),
                                      dict(cpu_kernels="off")])
 def test_alternative_paths_agree(tiny, variant):
     """The backbone's own cached forward (decode_path="model"), per-row gathered LoRA (with
@@ -524,15 +528,42 @@ def test_native_kernel_choice_says_why():
     """cpu_kernels: "auto" falls back to XLA's dots where the kernel does not apply and says why;
     "on" refuses instead; "off" never uses it."""
     bb = tiny_backbone("llama")
+    auto = dataclasses.replace(SMALL, cpu_kernels="auto")
     half = Backbone(bb.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), bb.params), None)
-    assert Sampler(half, None, SMALL).native_kernels.startswith("off (bfloat16 weights")
+    assert Sampler(half, None, auto).native_kernels.startswith("off (bfloat16 weights")
     with pytest.raises(ValueError, match="cpu_kernels='on'.*bfloat16"):
         Sampler(half, None, dataclasses.replace(SMALL, cpu_kernels="on"))
-    model_path = Sampler(bb, None, dataclasses.replace(SMALL, decode_path="model"))
+    model_path = Sampler(bb, None, dataclasses.replace(auto, decode_path="model"))
     assert model_path.native_kernels.startswith("off (decode_path='model'") and not model_path.loop_config.native
-    assert Sampler(bb, None, dataclasses.replace(SMALL, cache_dtype=jnp.bfloat16)).native_kernels.startswith(
+    assert Sampler(bb, None, dataclasses.replace(auto, cache_dtype=jnp.bfloat16)).native_kernels.startswith(
         "off (a bfloat16 KV cache")
     assert Sampler(bb, None, dataclasses.replace(SMALL, cpu_kernels="off")).native_kernels.startswith("off")
+
+
+def test_auto_uses_the_native_kernels_only_where_the_probe_finds_them_faster(monkeypatch):
+    """cpu_kernels="auto": the kernels only where kernels.probe times them at least as fast as
+    XLA's dot on the model's MLP shape (they lost 10-20x on an AVX2 machine); "on" ignores it."""
+    if unavailable_reason() is not None:
+        pytest.skip(f"native kernels not built here: {unavailable_reason()}")
+    bb = tiny_backbone("llama")
+    seen = []
+
+    def fake_probe(n, k, reps=5):
+        seen.append((n, k))
+        return probe.ProbeResult((n, k), {1: native_s, 16: native_s}, {1: 2e-4, 16: 3e-4})
+
+    monkeypatch.setattr(probe, "probe_matmul", fake_probe)
+    auto = dataclasses.replace(SMALL, cpu_kernels="auto")
+    native_s = 1e-3
+    slow = Sampler(bb, None, auto)
+    assert slow.native_kernels.startswith("off (the native kernels are slower than XLA here")
+    assert not slow.loop_config.native
+    assert seen[-1] == (bb.config.intermediate_size, bb.config.hidden_size)
+    assert Sampler(bb, None, dataclasses.replace(SMALL, cpu_kernels="on")).native_kernels == "on"
+    native_s = 1e-4
+    assert Sampler(bb, None, auto).native_kernels == "on"
+    assert probe.ProbeResult((2, 2), {1: 1.0, 16: 1.0}, {1: 1.0, 16: 2.0}).native_pays  # ties count as paying
+    assert not probe.ProbeResult((2, 2), {1: 1.0, 16: 3.0}, {1: 2.0, 16: 2.0}).native_pays
 
 
 # --------------------------------------------------------------------------- SmolLM2

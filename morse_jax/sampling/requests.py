@@ -112,7 +112,8 @@ class SamplerConfig:
     # Native C++ kernels (morse_jax.kernels, built with the machine's C++ compiler at first use)
     # for the decode step's weight projections, LM head and attention: "auto" uses them where they
     # apply (CPU backend, no multi-device mesh, float32 weights and cache, "fused" path, the build
-    # succeeds) and falls back to XLA otherwise; "on" raises instead of falling back; "off" never
+    # succeeds, and a short probe finds them faster than XLA's dot here: kernels.probe) and falls
+    # back to XLA otherwise; "on" raises instead of falling back; "off" never
     # uses them. Sampler.native_kernels says what was chosen and why.
     cpu_kernels: str = "auto"
 

@@ -132,12 +132,24 @@ class Sampler:
             reason = f"a {cache_dtype} KV cache (the kernels are float32)"
         else:
             reason = unavailable_reason()
+        if reason is None and mode == "auto":
+            reason = self._native_slower()
         if reason is None:
             return True, "on"
         if mode == "on":
             raise ValueError(f"sampler.cpu_kernels='on' but the native kernels cannot run: {reason}")
         log.info("sampler: native CPU kernels not used: %s", reason)
         return False, f"off ({reason})"
+
+    def _native_slower(self) -> str | None:
+        """Why "auto" leaves the kernels off on this machine (they lose to XLA's dot on the model's
+        MLP projection shape, ``kernels.probe``), or None when they pay."""
+        from morse_jax.kernels import probe
+
+        n = min(self.cfg.intermediate_size, max(1, (1 << 23) // self.cfg.hidden_size))  # <= 32 MB probe weight
+        result = probe.probe_matmul(n, self.cfg.hidden_size)
+        log.info("sampler: native kernel probe: %s", result.describe())
+        return None if result.native_pays else f"the native kernels are slower than XLA here ({result.describe()})"
 
     def lower_decode(self, bank, batch: int, prompt_bucket: int, new_token_bucket: int):
         """The decode program of one bucket combination, lowered, for inspection

@@ -2,9 +2,13 @@
 
 Why: the kernels were written and measured on a 2-core AVX-512 machine, where ``matmul_cols``
 beat XLA's dot (about 190 against 100 GFLOP/s at 16 columns). On another machine the same
-source, built with ``-march=native``, can lose badly: on a 2-core AMD EPYC (AVX2, jaxlib
-0.10.2) it ran at 1-2 GFLOP/s against XLA's 15-50, which made the sampler several times slower
-than transformers. ``sampler.cpu_kernels="auto"`` therefore uses the kernels only where this
+source, built with ``-march=native``, can lose badly: on a 2-core AMD EPYC (znver3: AVX2, no
+AVX-512) it ran at 1-2 GFLOP/s against XLA's 15-50, which made the sampler several times slower
+than transformers. The cause is the kernels' 64-byte vector-extension type (``v16``): without
+AVX-512, GCC 12 splits it into ymm halves and moves them through the stack on every iteration
+(a standalone 1536x576 dot loop: 0.8 GFLOP/s with 64-byte vectors, 6.5 with 32-byte ones). The
+lasting fix is a vector width chosen per instruction set; until then the probe keeps the
+sampler on XLA where the kernels lose. ``sampler.cpu_kernels="auto"`` therefore uses the kernels only where this
 probe finds them faster; "on" still forces them.
 
 The probe times both on one weight shape of the model (the widest decode projection) at 1 and

@@ -17,10 +17,15 @@ Adding an adapter type (e.g. token-routed role groups): write a pytree class (Na
 ``flax.struct`` dataclass) with a method ``deltas(x, group, out_dims, columns) -> {target:
 delta}`` that returns, for each target of ``out_dims`` ({target: d_out}, the targets this layer
 has) that it adapts, the additive delta in the activation layout (``columns``: x is [d_in, B]
-and deltas [d_out, B]; otherwise x [B, T, d_in] and deltas [B, T, d_out]). Then hand one value per
-adapted layer to the forward (``transformer.forward`` slices ``LoraInputs`` into ``LayerLora``;
-``decode`` takes a tuple over adapted layers). Nothing else changes: the decoder block, the
-layouts and the caches never look inside an adapter.
+and deltas [d_out, B]; otherwise x [B, T, d_in] and deltas [B, T, d_out]). Optionally a method
+``aux(x, group, columns) -> {name: array}``: values the training forward should hand back (e.g.
+router logits for a balance loss); the block collects them per layer (:func:`project_aux`) and
+``transformer.forward(..., with_aux=True)`` returns them stacked over the adapted layers.
+Then hand the adapter to the forward: ``decode`` takes a tuple over adapted layers of per-layer
+values; ``transformer.forward(lora=...)`` takes a *stacked* adapter covering the last
+``num_layers`` layers (:class:`StackedAdapter`: :class:`LoraInputs` is one, sliced into
+:class:`LayerLora` per layer). Nothing else changes: the decoder block, the layouts and the caches
+never look inside an adapter.
 
 Shapes: B batch, T tokens, d_in / d_out a projection's widths, E experts, K active experts per
 row, r rank, L_adapt adapted layers.
@@ -64,6 +69,27 @@ def project(layout: Layout, x: jax.Array, weights: dict, group: str, out_dims: d
     return [y + deltas[t] if t in deltas else y for t, y in ys.items()]
 
 
+def project_aux(adapter: Any, x: jax.Array, group: str, columns: bool) -> dict:
+    """The adapter's auxiliary outputs for the projections of ``group`` reading ``x`` (its
+    ``aux`` method; {} for no adapter or an adapter without one)."""
+    aux = getattr(adapter, "aux", None)
+    return {} if aux is None else aux(x, group, columns)
+
+
+class StackedAdapter(Protocol):
+    """What ``transformer.forward(lora=...)`` needs of an adapter over the last ``num_layers``
+    layers: a sub-range, and for ``jax.lax.scan`` the part stacked on a leading layer axis
+    (``xs``) with ``rebuild(xs_i)`` giving layer i's per-layer value (what is not per layer, e.g.
+    per-token role ids or per-row scales, is closed over)."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def layers(self, start: int, stop: int) -> "StackedAdapter": ...
+
+    def scan_parts(self) -> tuple[Any, Any]: ...
+
+
 # --------------------------------------------------------------------------- LoRA, training form
 
 
@@ -79,6 +105,17 @@ class LoraInputs(NamedTuple):
     a: dict[str, jax.Array]
     b: dict[str, jax.Array]
     scale: jax.Array
+
+    @property
+    def num_layers(self) -> int:
+        return next(iter(self.a.values())).shape[0]
+
+    def layers(self, start: int, stop: int) -> "LoraInputs":
+        return LoraInputs({t: a[start:stop] for t, a in self.a.items()}, {t: b[start:stop] for t, b in self.b.items()},
+                          self.scale)
+
+    def scan_parts(self):
+        return (self.a, self.b), lambda ab: LayerLora(ab[0], ab[1], self.scale)
 
 
 class LayerLora(NamedTuple):

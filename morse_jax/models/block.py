@@ -12,7 +12,9 @@ three callers is only *layout*, supplied as arguments:
 * an ``attention(q, k, v)`` callable — the cache layout: where new keys/values are written, which
   cache a KV-shared layer reads, the mask, and the attention kernel;
 * the layer's adapter value (``morse_jax.models.adapters``; every projection goes through
-  :func:`~morse_jax.models.adapters.project`).
+  :func:`~morse_jax.models.adapters.project`, and the adapter's optional auxiliary outputs, e.g.
+  router logits, are collected per projection by :func:`~morse_jax.models.adapters.project_aux`
+  and returned, opaque to the block).
 
 Shapes: B batch, T new tokens, d hidden, H heads, K kv heads, D head dim, f MLP width, p per-layer
 input width. "Layout" activations are [B, T, d] for row layouts and [d, B] (T = 1) for columns.
@@ -24,7 +26,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
-from morse_jax.models.adapters import project
+from morse_jax.models.adapters import project, project_aux
 from morse_jax.models.config import ModelConfig
 from morse_jax.models.layers import Rope, activation, apply_rope, rms_norm, rms_norm_unscaled
 
@@ -116,7 +118,8 @@ def decoder_layer(cfg: ModelConfig, layout, lp: dict, x: jax.Array, dims: LayerD
       adapter: the layer's adapter value or None. ple: Gemma 4's per-layer input for this layer
         (layout activations of width p) or None.
     Returns:
-      (x, whatever ``attention`` recorded, e.g. the updated cache).
+      (x, whatever ``attention`` recorded, e.g. the updated cache, the adapter's auxiliary
+      outputs {name: array} from ``project_aux``: {} without an adapter or one with no ``aux``).
     """
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     H, K, D = dims.heads, dims.kv_heads, dims.head_dim
@@ -124,6 +127,7 @@ def decoder_layer(cfg: ModelConfig, layout, lp: dict, x: jax.Array, dims: LayerD
 
     h = layout.norm(x, lp["attn_norm"], eps, off)
     qkv = project(layout, h, lp, "qkv", dims.qkv_sizes(), adapter)
+    aux = project_aux(adapter, h, "qkv", layout.columns)
     q = layout.heads(qkv[0], H, D)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], eps, off)
@@ -138,7 +142,9 @@ def decoder_layer(cfg: ModelConfig, layout, lp: dict, x: jax.Array, dims: LayerD
             v = rms_norm_unscaled(v, eps)
         k = apply_rope(k, cos, sin)
     out, record = attention(q, k, v)
-    out = project(layout, layout.merge_heads(out), lp, "o", None, adapter)[0]
+    out = layout.merge_heads(out)
+    aux |= project_aux(adapter, out, "o", layout.columns)
+    out = project(layout, out, lp, "o", None, adapter)[0]
     if cfg.post_norms:
         out = layout.norm(out, lp["post_attn_norm"], eps, off)
     x = x + out
@@ -146,7 +152,10 @@ def decoder_layer(cfg: ModelConfig, layout, lp: dict, x: jax.Array, dims: LayerD
     h = layout.norm(x, lp["mlp_norm"], eps, off)
     act = activation(cfg.activation)
     gate, up = project(layout, h, lp, "gu", {"gate": dims.mlp, "up": dims.mlp}, adapter)
-    out = project(layout, act(gate) * up, lp, "down", None, adapter)[0]
+    aux |= project_aux(adapter, h, "gu", layout.columns)
+    h = act(gate) * up
+    out = project(layout, h, lp, "down", None, adapter)[0]
+    aux |= project_aux(adapter, h, "down", layout.columns)
     if cfg.post_norms:
         out = layout.norm(out, lp["post_mlp_norm"], eps, off)
     x = x + out
@@ -155,4 +164,4 @@ def decoder_layer(cfg: ModelConfig, layout, lp: dict, x: jax.Array, dims: LayerD
         x = x + layout.norm(project(layout, g, lp, "ple_out", None, None)[0], lp["ple_post_norm"], eps, off)
     if "layer_scalar" in lp:
         x = x * lp["layer_scalar"].astype(x.dtype)
-    return x, record
+    return x, record, aux

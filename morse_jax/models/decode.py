@@ -250,7 +250,7 @@ def _run_layers(dp, cfg: ModelConfig, layout, x, ple_of, rope, masks, cache, lor
             return out, (ck, cv)
 
         adapter = lora[i - first_adapted] if lora is not None and i >= first_adapted else None
-        x, (ck, cv) = decoder_layer(cfg, layout, lp, x, dims, rope[1] if sliding else rope[0], attention,
+        x, (ck, cv), _ = decoder_layer(cfg, layout, lp, x, dims, rope[1] if sliding else rope[0], attention,
                                     adapter, ple_of(i))
         new_k.append(ck if producer is None else None)
         new_v.append(cv if producer is None else None)

@@ -29,7 +29,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from morse_jax.models.adapters import GROUPS, LayerLora, LoraInputs
+from morse_jax.models.adapters import GROUPS, LoraInputs, StackedAdapter  # noqa: F401 - LoraInputs re-exported
 from morse_jax.models.block import LayerDims, RowsLayout, decoder_layer
 from morse_jax.models.config import ModelConfig
 from morse_jax.models.layers import (Rope, attend, attention_masks, embed, final_logits, per_layer_inputs,
@@ -86,7 +86,7 @@ def _block(cfg: ModelConfig, lp, x, sliding, attn: AttnInputs, cache_kv, adapter
 
     ``cache_kv``: this layer's (k_cache, v_cache) or None; ``shared``: (k, v) of the layer whose
     keys/values a KV-shared layer (no k weights) attends to.
-    Returns (x, (k_cache, v_cache) or None, (k, v) attended to).
+    Returns (x, (k_cache, v_cache) or None, (k, v) attended to, the adapter's aux {name: array}).
     """
     dims = model_dims(lp, cfg.num_heads)
 
@@ -103,48 +103,53 @@ def _block(cfg: ModelConfig, lp, x, sliding, attn: AttnInputs, cache_kv, adapter
         mask = jnp.where(sliding, attn.mask_slide, attn.mask_full)  # [B, T, S]
         return attend(q, k, v, mask, cfg), (new_cache, (k, v))
 
-    x, (new_cache, used) = decoder_layer(cfg, ModelLayout, lp, x, dims, _rotary(attn, sliding, dims.head_dim),
-                                         attention, adapter, ple)
-    return x, new_cache, used
+    x, (new_cache, used), aux = decoder_layer(cfg, ModelLayout, lp, x, dims, _rotary(attn, sliding, dims.head_dim),
+                                              attention, adapter, ple)
+    return x, new_cache, used, aux
 
 
 def _run_segment(cfg, seg, layer_ids, x, attn, seg_cache, lora, ple=None, shared=None, want_kv=False,
                  kv_store=None):
-    """Run one segment. ``lora``: LoraInputs for every layer of a stacked segment; for an unrolled
-    one, per layer a LayerLora or None (see ``_segment_lora``).
+    """Run one segment. ``lora``: a StackedAdapter over every layer of a stacked segment; for an
+    unrolled one, per layer an adapter value or None (see ``_segment_lora``).
 
     layer_ids: the segment's (global) layer indices. KV sharing (Gemma 4): a stacked segment of
     KV-shared layers attends to ``shared`` (k, v); with ``want_kv`` it also returns every layer's
     attended (k, v) [n, ...]. An unrolled segment reads and records producers' (k, v) in
     ``kv_store`` (by layer index) as it goes. ple: [n, B, T, p] per-layer inputs (a list when
     unrolled) or None.
-    Returns (x, new segment cache or None, per-layer (k, v) or None).
+    Returns (x, new segment cache or None, per-layer (k, v) or None, the adapters' aux stacked
+    over the segment's layers: {name: [n, ...]}, {} without).
     """
     flags = cfg.sliding_flags[list(layer_ids)]
     if isinstance(seg, (tuple, list)):  # unrolled
         modes = cfg.kv_sharing_modes
-        new_caches = []
+        new_caches, auxes = [], []
         for i, lp in enumerate(seg):
             kv = None if seg_cache is None or seg_cache[i] is None else (seg_cache[i]["k"], seg_cache[i]["v"])
             gid = layer_ids[i]
             shared_i = kv_store[cfg.kv_producer(gid)] if modes[gid] == "reuse" else None
-            x, nc, used = _block(cfg, lp, x, bool(flags[i]), attn, kv, None if lora is None else lora[i],
-                                 None if ple is None else ple[i], shared_i)
+            x, nc, used, aux = _block(cfg, lp, x, bool(flags[i]), attn, kv, None if lora is None else lora[i],
+                                      None if ple is None else ple[i], shared_i)
             if modes[gid] == "store":
                 kv_store[gid] = used
             new_caches.append(None if nc is None else {"k": nc[0], "v": nc[1]})
-        return x, (None if seg_cache is None else tuple(new_caches)), None
+            if aux:  # only the adapted layers report any
+                auxes.append(aux)
+        aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes else {}
+        return x, (None if seg_cache is None else tuple(new_caches)), None, aux
+
+    layer_lora, rebuild = (None, None) if lora is None else lora.scan_parts()
 
     def body(x, xs):
         lp, sliding, kv, layer_lora, ple_i = xs
-        adapter = None if layer_lora is None else LayerLora(*layer_lora, lora.scale)
-        x, nc, used = _block(cfg, lp, x, sliding, attn, kv, adapter, ple_i, shared)
-        return x, (nc, used if want_kv else None)
+        adapter = None if layer_lora is None else rebuild(layer_lora)
+        x, nc, used, aux = _block(cfg, lp, x, sliding, attn, kv, adapter, ple_i, shared)
+        return x, (nc, used if want_kv else None, aux)
 
     kv = None if seg_cache is None else (seg_cache["k"], seg_cache["v"])
-    layer_lora = None if lora is None else (lora.a, lora.b)
-    x, (nc, used) = jax.lax.scan(body, x, (seg, jnp.asarray(flags), kv, layer_lora, ple))
-    return x, (None if nc is None else {"k": nc[0], "v": nc[1]}), used
+    x, (nc, used, aux) = jax.lax.scan(body, x, (seg, jnp.asarray(flags), kv, layer_lora, ple))
+    return x, (None if nc is None else {"k": nc[0], "v": nc[1]}), used, aux
 
 
 def init_cache(cfg: ModelConfig, params: Params, batch: int, max_len: int, dtype=jnp.float32, *,
@@ -188,11 +193,13 @@ def forward(
     positions: jax.Array | None = None,
     valid: jax.Array | None = None,
     cache: dict | None = None,
-    lora: LoraInputs | None = None,
+    lora: StackedAdapter | None = None,
     logits_mode: str = "all",
     start_layer: int = 0,
     hidden: jax.Array | None = None,
     stop_layer: int | None = None,
+    segment_ids: jax.Array | None = None,
+    with_aux: bool = False,
 ):
     """Decoder forward pass.
 
@@ -203,7 +210,8 @@ def forward(
       valid: bool[B, T], False at padding. Padding keys are never attended to.
       cache: from :func:`init_cache` (or a previous call). Tokens are written at
         ``cache["index"]``; queries attend to every valid cached key at or before them.
-      lora: per-row LoRA deltas for the last ``L_adapt`` layers (:class:`LoraInputs`). A stacked
+      lora: an adapter over the last ``L_adapt`` layers: per-row LoRA deltas (:class:`LoraInputs`)
+        or any ``adapters.StackedAdapter`` (e.g. ``morse_jax.mor``'s role groups). A stacked
         segment must lie entirely inside or outside them (:func:`split_segments`).
       logits_mode: "all" -> [B, T, V]; "last" -> [B, V] at the last position; "hidden" -> final
         normed hidden states [B, T, d] (no LM head).
@@ -213,9 +221,12 @@ def forward(
         entries of the skipped layers are passed through untouched (may be None).
       stop_layer: return the residual stream entering this layer [B, T, d] (no final norm, no
         head) instead of logits.
+      segment_ids: int[B, T] packed segments (tokens attend only within their own); no cache.
+      with_aux: also return the adapter's auxiliary outputs (``adapters.project_aux``) stacked
+        over the adapted layers that ran, {name: [L, ...]} ({} without any).
 
     Returns:
-      (logits float32, new_cache or None).
+      (logits float32, new_cache or None), plus the aux with ``with_aux``.
     """
     chex.assert_rank(tokens, 2)
     B, T = tokens.shape
@@ -228,11 +239,15 @@ def forward(
 
     x, ple = _embed(params, cfg, tokens, start_layer, hidden)
     attn, key_valid = _attention_inputs(cfg, valid, positions, cache, params["embed"].dtype)
-    x, new_segs = _run_layers(params, cfg, x, attn, cache, lora, ple, start_layer, stop_layer)
+    if segment_ids is not None:
+        if cache is not None:
+            raise ValueError("segment_ids (packed rows) are for cache-free forwards")
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        attn = attn._replace(mask_full=attn.mask_full & same, mask_slide=attn.mask_slide & same)
+    x, new_segs, aux = _run_layers(params, cfg, x, attn, cache, lora, ple, start_layer, stop_layer)
     new_cache = None if cache is None else {"layers": new_segs, "valid": key_valid, "index": attn.write_index + T}
-    if stop_layer is not None:
-        return x, new_cache
-    return _head(params, cfg, x, logits_mode), new_cache
+    out = (x, new_cache) if stop_layer is not None else (_head(params, cfg, x, logits_mode), new_cache)
+    return (*out, aux) if with_aux else out
 
 
 def _embed(params: Params, cfg: ModelConfig, tokens, start_layer: int, hidden):
@@ -268,14 +283,14 @@ def _run_layers(params: Params, cfg: ModelConfig, x, attn: AttnInputs, cache, lo
     """Run the segments covering layers start_layer..stop_layer-1 on x [B, T, d].
 
     Returns (x, per-segment new caches: skipped segments' entries passed through, None without a
-    cache)."""
+    cache, the adapters' aux concatenated over the layers that ran, {name: [L, ...]})."""
     offset, modes = 0, cfg.kv_sharing_modes
     stored: dict[int, tuple] = {}  # producer layer -> its attended (k, v), for KV-shared layers
-    n_lora = 0 if lora is None else next(iter(lora.a.values())).shape[0]
+    n_lora = 0 if lora is None else lora.num_layers
     if n_lora > cfg.num_layers:
         raise ValueError(f"LoRA covers {n_lora} layers but the model has {cfg.num_layers}")
     first_lora = cfg.num_layers - n_lora
-    new_segs = []
+    new_segs, auxes = [], []
     for si, seg in enumerate(params["layers"]):
         n = _segment_len(seg)
         idx = range(offset, offset + n)
@@ -291,17 +306,20 @@ def _run_layers(params: Params, cfg: ModelConfig, x, attn: AttnInputs, cache, lo
         seg_cache = None if cache is None else cache["layers"][si]
         seg_ple = None if ple is None else (ple[offset:offset + n] if not unrolled else [ple[i] for i in idx])
         if unrolled:
-            x, nc, _ = _run_segment(cfg, seg, idx, x, attn, seg_cache, seg_lora, seg_ple, kv_store=stored)
+            x, nc, _, aux = _run_segment(cfg, seg, idx, x, attn, seg_cache, seg_lora, seg_ple, kv_store=stored)
         else:
             shared = stored[_shared_producer(cfg, idx)] if any(modes[i] == "reuse" for i in idx) else None
             want_kv = cache is None and any(modes[i] == "store" for i in idx)
-            x, nc, used = _run_segment(cfg, seg, idx, x, attn, seg_cache, seg_lora, seg_ple, shared, want_kv)
+            x, nc, used, aux = _run_segment(cfg, seg, idx, x, attn, seg_cache, seg_lora, seg_ple, shared, want_kv)
             for j, i in enumerate(idx):
                 if modes[i] == "store":  # with a cache: the producer's whole updated cache
                     stored[i] = (nc["k"][j], nc["v"][j]) if cache is not None else (used[0][j], used[1][j])
         new_segs.append(nc)
+        if aux:
+            auxes.append(aux)
         offset += n
-    return x, tuple(new_segs)
+    aux = jax.tree.map(lambda *a: jnp.concatenate(a), *auxes) if auxes else {}
+    return x, tuple(new_segs), aux
 
 
 def _head(params: Params, cfg: ModelConfig, x, logits_mode: str):
@@ -335,26 +353,22 @@ def _check_layer_range(cfg: ModelConfig, start: int, hidden, stop: int | None, b
 def _segment_lora(lora, offset, n, first_lora, n_lora, unrolled):
     """The part of ``lora`` (covering layers first_lora..L-1) that applies to layers offset..offset+n-1.
 
-    Stacked segments get LoraInputs over their layers (or None); unrolled ones a list of per-layer
-    LayerLora entries (None outside the adapted layers).
+    Stacked segments get the stacked adapter over their layers (or None); unrolled ones a list of
+    per-layer adapter values (None outside the adapted layers).
     """
     if lora is None or offset + n <= first_lora:
         return None
     if unrolled:
-        out = []
-        for i in range(offset, offset + n):
-            j = i - first_lora
-            out.append(None if j < 0 else LayerLora({t: a[j] for t, a in lora.a.items()},
-                                                    {t: b[j] for t, b in lora.b.items()}, lora.scale))
-        return out
+        xs, rebuild = lora.scan_parts()
+        return [None if i < first_lora else rebuild(jax.tree.map(lambda a, j=i - first_lora: a[j], xs))
+                for i in range(offset, offset + n)]
     if offset < first_lora:
         raise ValueError(f"LoRA covers the last {n_lora} layers but a stacked segment spans layers {offset}.."
                          f"{offset + n - 1} across that boundary; call split_segments(params, {n_lora})")
     if (offset, n) == (first_lora, n_lora):
         return lora
     j = offset - first_lora
-    return LoraInputs(a={t: a[j:j + n] for t, a in lora.a.items()}, b={t: b[j:j + n] for t, b in lora.b.items()},
-                      scale=lora.scale)
+    return lora.layers(j, j + n)
 
 
 def _shared_producer(cfg, idx):

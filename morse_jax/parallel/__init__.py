@@ -39,6 +39,8 @@ from morse_jax.parallel.sharding import (
     cache_shardings,
     constrain,
     logical_spec,
+    mor_param_shardings,
+    mor_param_specs,
     param_shardings,
     param_specs,
     replicated,
@@ -50,7 +52,8 @@ __all__ = [
     "AXES", "BATCH_AXES", "MemoryPlan", "PRESETS", "ProcessInfo", "RULES", "ShapeKeyedJit", "activation_sharding",
     "barrier", "batch_sharding", "batch_shardings", "broadcast_from_coordinator", "cache_shardings", "constrain",
     "describe", "initialize", "is_coordinator", "logical_spec", "make_mesh", "max_micro_batch", "memory_plan",
-    "memory_table", "param_shardings", "param_specs", "process_allgather", "replicate", "replicated", "replicated_jit",
+    "memory_table", "mor_param_shardings", "mor_param_specs", "param_shardings", "param_specs", "process_allgather",
+    "replicate", "replicated", "replicated_jit",
     "resolve_mesh_shape", "run_on_coordinator", "shard_backbone", "shard_params", "sharded_logits", "slurm_settings",
     "to_global",
 ]

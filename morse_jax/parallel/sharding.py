@@ -22,6 +22,11 @@ When a :class:`ModelConfig` is given, ``heads`` / ``kv_heads`` also require the 
 to divide, so that no head is split across devices.
 
 The expert bank, the router and optimizer states are replicated (they are small: megabytes).
+MoR's adapter (``morse_jax.mor.params``: 0.16 B parameters on a 1B backbone) is not:
+:func:`mor_param_specs` splits each factor's model-width axis as the backbone splits the same
+projection's kernel (A's d_in and a router's d_in like the kernel's input, B's d_out like its
+output), so a LoRA delta comes out sharded like the frozen output it is added to; the layer,
+LoRA and rank axes are replicated. Optimizer states of the adapter take the same specs.
 
 Param trees understood: the backbone's (``models.transformer.param_shapes``: stacked segments
 ``[L, ...]`` or unrolled per-layer dicts) and the sampler's fused ``decode_params``. Cache trees:
@@ -153,6 +158,31 @@ def param_logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
     if ndim != len(rule):
         return (None,) * ndim
     return rule
+
+
+# MoR adapter leaves (without the layer axis): which kernel axis (0 = d_in, 1 = d_out) each width follows.
+_MOR = {"a": (None, 0, None), "b": (None, None, 1), "router": (0, None), "gate": (0, None)}
+
+
+def mor_logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of one MoR adapter leaf ({"a"|"b"|"router"|"gate": {target: [L, ...]}})."""
+    names = [_name(k) for k in path]
+    rule = _MOR.get(names[0]) if len(names) == 2 else None
+    if rule is None or names[1] not in _KERNELS or ndim != len(rule) + 1:
+        return (None,) * ndim
+    return (None, *(None if i is None else _KERNELS[names[1]][i] for i in rule))
+
+
+def mor_param_specs(mesh: Mesh, params: Any, cfg: ModelConfig | None = None) -> Any:
+    """PartitionSpec per leaf of a MoR adapter tree (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: logical_spec(mesh, mor_logical_axes(p, len(shape_of(x))), shape_of(x), cfg), params)
+
+
+def mor_param_shardings(mesh: Mesh, params: Any, cfg: ModelConfig | None = None) -> Any:
+    """NamedSharding per leaf of a MoR adapter tree (place it with :func:`to_global`)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), mor_param_specs(mesh, params, cfg),
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def shape_of(x) -> tuple[int, ...]:

@@ -142,9 +142,12 @@ def logits_of(params, tokens, lora):
 # --------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("cfg", [MOR, dataclasses.replace(MOR, shared_gate="sigmoid", scale=0.5),
+SLOW = pytest.mark.slow  # each variant compiles the model twice more (~20-40 s on 2 busy cores)
+
+
+@pytest.mark.parametrize("cfg", [MOR, pytest.param(dataclasses.replace(MOR, shared_gate="sigmoid", scale=0.5), marks=SLOW),
                                  dataclasses.replace(MOR, routing="uniform"),
-                                 dataclasses.replace(MOR, kind="lora", rank=6)],
+                                 pytest.param(dataclasses.replace(MOR, kind="lora", rank=6), marks=SLOW)],
                          ids=["paper", "sigmoid_gate_scaled", "uniform_routers", "plain_lora"])
 def test_forward_equals_the_per_token_reference(backbone, cfg):
     params, tokens = backbone
@@ -159,7 +162,8 @@ def test_forward_equals_the_per_token_reference(backbone, cfg):
     assert np.max(np.abs(want - base)) > 1e-2  # the deltas are visible
 
 
-@pytest.mark.parametrize("cfg", [MOR, dataclasses.replace(MOR, shared_gate="sigmoid")], ids=["paper", "sigmoid"])
+@pytest.mark.parametrize("cfg", [MOR, pytest.param(dataclasses.replace(MOR, shared_gate="sigmoid"), marks=SLOW)],
+                         ids=["paper", "sigmoid"])
 def test_prefill_and_decode_step_equal_the_reference(backbone, cfg):
     params, tokens = backbone
     mor = trained(cfg)

@@ -88,8 +88,11 @@ def test_balance_and_orthogonality_terms_are_the_losses_on_what_the_adapter_expo
     assert m["router/reasoner/load0"].shape == () and "router/summarizer/entropy" in m
 
 
-@pytest.mark.parametrize("change,has", [({"use_balance": False}, ("orth",)), ({"use_orth": False}, ("balance",)),
-                                        ({"routing": "uniform"}, ("orth",)), ({"kind": "lora"}, ())])
+@pytest.mark.parametrize("change,has", [
+    pytest.param({"use_balance": False}, ("orth",), marks=pytest.mark.slow),
+    pytest.param({"use_orth": False}, ("balance",), marks=pytest.mark.slow),
+    ({"routing": "uniform"}, ("orth",)),
+    pytest.param({"kind": "lora"}, (), marks=pytest.mark.slow)], ids=["no_balance", "no_orth", "uniform", "lora"])
 def test_ablation_settings_switch_the_terms(setup, change, has):
     frozen, batch = setup
     cfg = dataclasses.replace(MOR, **change)

@@ -258,15 +258,16 @@ def _run_layers(dp, cfg: ModelConfig, layout, x, ple_of, rope, masks, cache, lor
 
 
 def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Array, positions: jax.Array,
-                   cache: dict, lora: tuple[PreparedLora, ...] | None, rope: tuple | None = None, *,
+                   cache: dict, lora: tuple | None, rope: tuple | None = None, *,
                    last_only: bool = True, capture_layer: int | None = None):
     """Forward ``T`` new tokens per row through the cache (the prefill); written at ``cache["index"]``.
 
     Args:
       dp: from :func:`decode_params`. tokens: int32[B, T]. valid: bool[B, T] (False = padding:
         never attended to). positions: int32[B, T] rotary positions.
-      cache: from :func:`init_decode_cache` or a previous call. lora: :func:`prepare_lora` of
-        ``gather_lora``'s output (the last ``len(lora)`` layers are adapted), or None.
+      cache: from :func:`init_decode_cache` or a previous call. lora: per adapted layer (the last
+        ``len(lora)``) an adapter value: :func:`prepare_lora` of ``gather_lora``'s output, or any
+        other adapter type (``adapters`` docstring; e.g. ``morse_jax.mor.adapter.layer_values``), or None.
       rope: :func:`rope_tables_for` the cache length, or None (computed here).
       last_only: logits at the last position only ([B, V]) instead of [B, T, V].
       capture_layer: also return the residual stream entering this layer, [B, T, d] (the
@@ -292,7 +293,7 @@ def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arr
 
 
 def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array, positions: jax.Array,
-                cache: dict, lora: tuple[PreparedLora, ...] | None, rope: tuple | None = None, *,
+                cache: dict, lora: tuple | None, rope: tuple | None = None, *,
                 capture_layer: int | None = None, native: bool = False):
     """One new token per row (the decode step), activations kept as [features, B].
 

@@ -1,5 +1,6 @@
-"""Shared pieces of the SFT tests: a tiny random backbone, a plain-LoRA objective on it, and a toy
-multi-role data set whose role turns follow per-role rules (learnable, so held-out CE can drop)."""
+"""Shared pieces of the SFT tests: a tiny random backbone, a small MoR (role groups with token
+routers, balance and orthogonality losses) on it, and a toy multi-role data set whose role turns
+follow per-role rules (learnable, so held-out CE can drop)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from morse_jax.models import ModelConfig, init_params
 from morse_jax.models.transformer import split_segments
 from morse_jax.mor.batch import NO_ROLE
 from morse_jax.sft.data import Rendered
-from morse_jax.sft.objective import init_lora, lora_objective, single_lora_spec
+from morse_jax.mor.config import MoRConfig
+from morse_jax.mor.params import init_mor_params
+from morse_jax.sft.objective import mor_objective
 
 VOCAB = 64
 CFG = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)
-SPEC = single_lora_spec(rank=4, n_adapt=2)
+MOR = MoRConfig(routed=(2, 2, 2), top_k=(1, 1, 1), rank=4, n_adapt=2)
 END = 1  # end-of-turn token (a target)
 HEADERS = (2, 3, 4)  # role-turn header token per role (carries the role, not a target)
 
@@ -23,10 +26,10 @@ HEADERS = (2, 3, 4)  # role-turn header token per role (carries the role, not a 
 def backbone(seed: int = 0):
     params = init_params(jax.random.key(seed), CFG)
     params["lm_head"] = params["lm_head"] * 10.0  # logits that depend on the hidden state
-    return split_segments(params, SPEC.n_adapt)
+    return split_segments(params, MOR.n_adapt)
 
 
-OBJECTIVE = lora_objective(CFG, SPEC)  # one object: the trainer's jitted steps are cached per objective
+OBJECTIVE = mor_objective(CFG, MOR)  # one object: the trainer's jitted steps are cached per objective
 
 
 def objective():
@@ -34,7 +37,7 @@ def objective():
 
 
 def trainable(seed: int = 1, b_scale: float = 0.0):
-    bank = init_lora(jax.random.key(seed), CFG, SPEC)
+    bank = init_mor_params(jax.random.key(seed), CFG, MOR)
     if b_scale:
         keys = iter(jax.random.split(jax.random.key(seed + 1), len(bank["b"])))
         bank["b"] = {t: b_scale * jax.random.normal(next(keys), x.shape) for t, x in bank["b"].items()}

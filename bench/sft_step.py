@@ -1,0 +1,182 @@
+"""SFT step time: MoR vs plain LoRA of the same trainable budget (ours) vs transformers + PEFT, CPU.
+
+SmolLM2-135M-Instruct (the embedded GGUF, float32, real weights). One optimiser step on one
+micro-batch of ``--rows`` rendered multi-role trajectories (the synthetic function-calling set,
+converted and rendered with SmolLM2's chat template; the first ones that fit), padded to ``--seq``
+tokens: forward, role-masked CE over the role-turn tokens, backward through the adapters, global
+norm clipping at 1.0, AdamW (lr 5e-5).
+
+* ``ours:mor``: ``morse_jax.sft`` train step with MoRAgent's objective (``mor.objective.sft_loss``:
+  CE + 1e-3 balance + 1e-4 orthogonality) and the paper's groups (1+4 / 1+4 / 1+3 LoRAs, top
+  3 / 3 / 2, rank 16, q k v o gate up down) on the last ``--layers`` layers.
+* ``ours:lora``: the same step with plain LoRA of the same budget (``mor.params.plain_lora_config``:
+  one LoRA of rank ≈ MoR's count / a rank-1 LoRA's, same targets and layers, every token).
+* ``torch:peft``: transformers (the same GGUF) + a PEFT LoRA of that rank and scale 1 on the same
+  modules and layers, forward (``model(...).logits``), the same CE, ``backward``,
+  ``clip_grad_norm_``, ``torch.optim.AdamW``.
+
+Adapters start with B = 0 on every side (their FLOPs do not depend on the values). All sides run
+in one process, interleaved, so load on the shared machine hits them alike; medians and process
+CPU seconds per step; compiles happen before timing.
+
+Usage:  python bench/sft_step.py [--reps 2] [--rows 2] [--seq 512] [--layers 30] [--ours-only]
+
+Goal (issue 18): ours:mor <= 1.5x ours:lora. Results: see the README's Performance section.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch next to XLA's pool on few cores (bench/train_step.py)
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=2, help="timed steps per side (interleaved)")
+    ap.add_argument("--rows", type=int, default=2, help="trajectories per step (one micro-batch)")
+    ap.add_argument("--seq", type=int, default=512, help="padded length (trajectories longer are skipped)")
+    ap.add_argument("--layers", type=int, default=30, help="adapted layers, the last N (SmolLM2 has 30)")
+    ap.add_argument("--ours-only", action="store_true", help="skip transformers + PEFT")
+    args = ap.parse_args(argv)
+    if args.reps < 1 or args.rows < 1 or args.seq < 2 or args.layers < 1:
+        ap.error("need --reps, --rows, --layers >= 1 and --seq >= 2")
+    return args
+
+
+def clock(fn):
+    t, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - t, time.process_time() - c
+
+
+class TorchPeer:
+    """transformers + PEFT plain LoRA, the same role-masked CE, clipping and AdamW, float32 on CPU."""
+
+    def __init__(self, path: Path, rank: int, layers: int):
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        n = model.config.num_hidden_layers
+        cfg = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, layers_to_transform=list(range(n - layers, n)),
+                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        self.model = get_peft_model(model, cfg)
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=5e-5, weight_decay=0.0)
+        self.torch = torch
+        self.count = sum(p.numel() for p in self.params)
+
+    def step(self, batch) -> float:
+        torch = self.torch
+        tokens = torch.from_numpy(np.asarray(batch.tokens[0], np.int64))
+        valid = torch.from_numpy(np.asarray(batch.valid[0], np.int64))
+        mask = torch.from_numpy(np.asarray(batch.loss_mask[0] & batch.valid[0])[:, 1:].astype(np.float32))
+        self.opt.zero_grad(set_to_none=True)
+        logits = self.model(input_ids=tokens, attention_mask=valid).logits[:, :-1]
+        nll = -torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        loss = (nll * mask).sum() / mask.sum().clamp(min=1.0)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        return float(loss)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.simplefilter("ignore")
+    import jax
+
+    from morse_jax.models import embedded_model_path, load_backbone
+    from morse_jax.models.transformer import split_segments
+    from morse_jax.mor.config import MoRConfig
+    from morse_jax.mor.params import init_mor_params, param_count, plain_lora_config
+    from morse_jax.sft.batching import BucketedData, StepPlan
+    from morse_jax.sft.config import SFTConfig
+    from morse_jax.sft.data import render
+    from morse_jax.sft.objective import mor_objective
+    from morse_jax.sft.state import SFTState, make_optimizer
+    from morse_jax.sft.trainer import compiled_train_step
+    from morse_jax.tasks.bfcl import synthetic
+    from morse_jax.tasks.bfcl.trajectories import from_function_calling
+
+    path = embedded_model_path()
+    t = time.perf_counter()
+    backbone = load_backbone(path)
+    model_cfg = backbone.config
+    rendered = [render(from_function_calling(r), backbone.tokenizer) for r in synthetic.generate(32, seed=0)]
+    fits = [x for x in rendered if len(x.tokens) <= args.seq][:args.rows]
+    if len(fits) < args.rows:
+        raise SystemExit(f"only {len(fits)} of 32 trajectories fit {args.seq} tokens; raise --seq")
+    data = BucketedData(fits, (args.seq,))
+    batch = data.batch(StepPlan(args.seq, tuple(range(args.rows))), args.rows, 1)
+    n_tok = int(sum(len(x.tokens) for x in fits))
+    print(f"# loaded and rendered in {time.perf_counter() - t:.1f} s; {args.rows} trajectories, {n_tok} tokens "
+          f"padded to {args.rows} x {args.seq}, {int(np.asarray(batch.loss_mask).sum())} targets", flush=True)
+
+    frozen = split_segments(backbone.params, args.layers)
+    mor_cfg = MoRConfig(n_adapt=args.layers)
+    lora_cfg = plain_lora_config(model_cfg, mor_cfg)
+    sft = SFTConfig(learning_rate=5e-5, warmup_fraction=0.0)
+    total = 1000
+    ours = {}
+    for name, mc in (("ours:mor", mor_cfg), ("ours:lora", lora_cfg)):
+        step = compiled_train_step(mor_objective(model_cfg, mc), sft, total)
+        tx = make_optimizer(sft, total)
+        box = {"state": SFTState.create(init_mor_params(jax.random.key(0), model_cfg, mc), tx, jax.random.key(1))}
+
+        def run(step=step, box=box):
+            box["state"], m = step(box["state"], frozen, batch)
+            return float(jax.block_until_ready(m["loss"]))
+
+        _, first, _ = clock(run)
+        ours[name] = run
+        print(f"# {name}: {param_count(model_cfg, mc) / 1e6:.2f}M trainable (rank {mc.rank}, {mc.num_loras} LoRAs "
+              f"per projection), first step (compile + run) {first:.1f} s", flush=True)
+    sides = dict(ours)
+    if not args.ours_only:
+        peer = TorchPeer(path, lora_cfg.rank, args.layers)
+        print(f"# torch:peft: {peer.count / 1e6:.2f}M trainable (rank {lora_cfg.rank}), torch threads "
+              f"{peer.torch.get_num_threads()}", flush=True)
+        clock(lambda: peer.step(batch))  # warm-up
+        sides["torch:peft"] = lambda: peer.step(batch)
+    wall = {k: [] for k in sides}
+    cpu = {k: [] for k in sides}
+    for _ in range(args.reps):
+        for k, fn in sides.items():
+            _, w, c = clock(fn)
+            wall[k].append(w)
+            cpu[k].append(c)
+        print("#   rep: " + ", ".join(f"{k} {wall[k][-1]:.2f} s" for k in sides)
+              + f"; load {os.getloadavg()[0]:.1f}", flush=True)
+    med = statistics.median
+    base = "ours:lora"
+    print(f"SFT step, {args.rows} x {args.seq} tokens, last {args.layers} layers adapted; s/step median [min-max], "
+          f"process CPU s/step median; ratio = side / {base}:")
+    for k in sides:
+        print(f"  {k:11s} {med(wall[k]):7.2f} [{min(wall[k]):.2f}-{max(wall[k]):.2f}]  cpu {med(cpu[k]):6.2f}"
+              f"   {med(wall[k]) / med(wall[base]):.2f}x wall, {med(cpu[k]) / med(cpu[base]):.2f}x cpu", flush=True)
+    print(f"goal ours:mor <= 1.5x ours:lora: {'met' if med(wall['ours:mor']) <= 1.5 * med(wall[base]) else 'NOT met'} "
+          f"(wall)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,9 +14,9 @@ Dropped, and counted (never silent): examples longer than the largest bucket, an
 no target token (nothing to learn from; the CE of token t is predicted at t - 1, so a target at
 position 0 does not count).
 
-Packing is not offered: the backbone's forward masks attention by validity and causality only
-(no per-segment mask), so two packed trajectories would attend to each other. Batches therefore
-carry ``segment_ids`` = 0 and ``positions`` = 0..T-1.
+Packing is not implemented here (the forward and MoR's objective accept ``segment_ids`` for
+packed rows, so it could be added as another plan); every row is one trajectory, with
+``segment_ids`` = 0 and ``positions`` = 0..T-1.
 """
 
 from __future__ import annotations

@@ -21,7 +21,17 @@ CPU seconds per step; compiles happen before timing.
 
 Usage:  python bench/sft_step.py [--reps 2] [--rows 2] [--seq 512] [--layers 30] [--ours-only]
 
-Goal (issue 18): ours:mor <= 1.5x ours:lora. Results: see the README's Performance section.
+Goal (issue 18): ours:mor <= 1.5x ours:lora.
+
+Measured 2026-12-03 on the 2 shared cores, load 8-8.4 (other jobs), defaults (2 x 512 tokens, 717
+real, 179 targets; all 30 layers; MoR 70.03M trainable, plain LoRA rank 229 69.91M), 2 reps:
+
+  ours:mor    173.1 s [171.7-174.4]  cpu 56.8   1.97x wall, 1.84x cpu of ours:lora
+  ours:lora    87.8 s [82.6-93.0]    cpu 30.8
+  torch:peft   76.7 s [75.4-78.0]    cpu 22.9   0.87x wall, 0.74x cpu of ours:lora
+  (first step incl. compile: mor 212 s, lora 114 s). The goal is NOT met (1.97x); transformers +
+  PEFT is 1.15x faster (wall) than our plain LoRA. Not profiled yet; wall times are ~3x the CPU
+  times because of the load, so re-measure on a quieter machine before drawing fine conclusions.
 """
 
 from __future__ import annotations

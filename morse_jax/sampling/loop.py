@@ -13,7 +13,7 @@ with per-layer caches (``decode_path="model"``, the reference path).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,22 @@ from morse_jax.sampling.state import (
 )
 
 
+class RoleAdapter(Protocol):
+    """An adapter whose per-layer values depend on each token's role (MoRAgent's role groups).
+
+    The sampler hands it the adapter's parameters (``Sampler.generate``'s ``bank`` argument) and
+    the role ids of the tokens about to run; it returns one adapter value per adapted layer (the
+    last ``len(...)`` layers; each value has the ``deltas`` method of ``models.adapters``):
+    role_ids int32[B, T] for a prefill chunk (activations [B, T, d]) or int32[B] for a decode step
+    (activations [d, B], ``columns``). NO_ROLE (-1) tokens must get no delta.
+    """
+
+    num_roles: int
+
+    def layers(self, params: Any, role_ids: jax.Array) -> tuple:
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
     """Static settings of the jitted prefill and decode (fixed per Sampler).
@@ -49,7 +65,9 @@ class LoopConfig:
     capture_layer: layer whose input residual is returned (None: none). native: decode steps on
     the native CPU kernels. k_cap: top-k candidates for top-p. barrier: the optimization barrier
     around top-k in token selection (off under a mesh: see ``select_tokens``). cache_dtype: KV
-    cache dtype (None: the params' dtype).
+    cache dtype (None: the params' dtype). role_adapter: a :class:`RoleAdapter` (then ``bank`` is
+    its parameters and the role ids of ``PromptBatch.roles`` / ``ExpertSlots.roles`` choose each
+    token's adapter), or None.
     """
 
     cfg: ModelConfig
@@ -61,6 +79,7 @@ class LoopConfig:
     k_cap: int
     barrier: bool
     cache_dtype: Any = None
+    role_adapter: Any = None
 
     @property
     def fused(self) -> bool:
@@ -80,7 +99,10 @@ def empty_cache(lc: LoopConfig, params, batch: int, cache_len: int) -> Any:
 
 def row_lora(lc: LoopConfig, bank, experts: ExpertSlots):
     """Per-row LoRA inputs for a batch (None without a bank); computed once per device call,
-    outside the loops."""
+    outside the loops. With a role adapter: its layers for the rows' generated-token roles
+    (``experts.roles`` int32[B], what the decode steps run)."""
+    if lc.role_adapter is not None:
+        return lc.role_adapter.layers(bank, experts.roles)
     if lc.spec is None or bank is None:
         return None
     compose = lc.lora_compose
@@ -120,7 +142,7 @@ def prefill(lc: LoopConfig, params, bank, batch: PromptBatch, experts: ExpertSlo
     tokens, valid = batch.tokens, batch.valid
     B = tokens.shape[0]
     cache = empty_cache(lc, params, B, cache_len)
-    lora = row_lora(lc, bank, experts)
+    lora = row_lora(lc, bank, experts) if lc.role_adapter is None else None
     positions = positions_from_valid(valid)
     rope = rope_tables_for(lc.cfg, cache_len, lc.cache_dtype_for(params)) if lc.fused else None
     capture = lc.capture_layer is not None
@@ -129,7 +151,10 @@ def prefill(lc: LoopConfig, params, bank, batch: PromptBatch, experts: ExpertSlo
         def part(a):
             return jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1)
 
-        out = _forward(lc, params, part(tokens), part(valid), part(positions), carry[1], lora, rope)
+        chunk_lora = lora
+        if lc.role_adapter is not None:  # each prompt token under its own role
+            chunk_lora = lc.role_adapter.layers(bank, part(batch.roles))
+        out = _forward(lc, params, part(tokens), part(valid), part(positions), carry[1], chunk_lora, rope)
         if not capture:
             return out
         return out[0], out[1], jax.lax.dynamic_update_slice_in_dim(carry[2], out[2], i * chunk, axis=1)

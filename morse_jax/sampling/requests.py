@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from morse_jax.mole.experts import ExpertBankSpec
+from morse_jax.mor.batch import NO_ROLE
 from morse_jax.sampling.state import DecodeSettings, ExpertSlots, PromptBatch
 
 FINISH_REASONS = ("eos", "stop", "length")
@@ -32,6 +33,9 @@ class Request:
     ``heal_tokens`` tokens and constrain the first generated token to re-write their text (and
     possibly extend it). 0 = off. Skipped (silently) when the dropped text cannot be read or no
     token re-writes it.
+    role / prompt_roles: for a sampler with a role adapter (MoRAgent, ``loop.RoleAdapter``): the
+    role id of the generated tokens (the turn being generated) and of each prompt token (empty =
+    NO_ROLE everywhere); NO_ROLE (-1) tokens get no adapter.
     """
 
     prompt_ids: Sequence[int]
@@ -44,6 +48,8 @@ class Request:
     stop_token_ids: Sequence[int] = ()
     stop_strings: Sequence[str] = ()
     heal_tokens: int = 0
+    role: int = NO_ROLE
+    prompt_roles: Sequence[int] = ()
 
     def validate(self, index: int = 0) -> None:
         where = f"requests[{index}]"
@@ -61,6 +67,13 @@ class Request:
             raise ValueError(f"{where}: expert_ids and expert_weights differ in length")
         if not 0 <= self.heal_tokens < len(self.prompt_ids):
             raise ValueError(f"{where}.heal_tokens must be in [0, len(prompt_ids)), got {self.heal_tokens}")
+        if self.prompt_roles and len(self.prompt_roles) != len(self.prompt_ids):
+            raise ValueError(f"{where}.prompt_roles has {len(self.prompt_roles)} ids for {len(self.prompt_ids)} "
+                             "prompt tokens")
+
+    @property
+    def uses_roles(self) -> bool:
+        return self.role != NO_ROLE or any(r != NO_ROLE for r in self.prompt_roles)
 
 
 @dataclasses.dataclass
@@ -148,10 +161,16 @@ def bucket(n: int, buckets: Sequence[int], what: str) -> int:
 
 
 
-def check_request(r: Request, i: int, config: SamplerConfig, vocab_size: int, spec: ExpertBankSpec | None) -> None:
-    """Reject request ``i`` before anything runs (a bad row must not cost a compile or a batch)."""
+def check_request(r: Request, i: int, config: SamplerConfig, vocab_size: int, spec: ExpertBankSpec | None,
+                  num_roles: int = 0) -> None:
+    """Reject request ``i`` before anything runs (a bad row must not cost a compile or a batch).
+    num_roles: the role adapter's role count (0: the sampler has none)."""
     r.validate(i)
     where = f"requests[{i}]"
+    if r.uses_roles and num_roles == 0:
+        raise ValueError(f"{where}: role ids given but the sampler has no role adapter")
+    if not all(NO_ROLE <= x < num_roles for x in (r.role, *r.prompt_roles)) and num_roles:
+        raise ValueError(f"{where}: role ids must be in [{NO_ROLE}, {num_roles})")
     V = vocab_size
     if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= V:
         raise ValueError(f"{where}.prompt_ids has ids outside [0, {V})")
@@ -209,13 +228,14 @@ def batch_shape(reqs: Sequence[Request], config: SamplerConfig) -> BatchShape:
     return BatchShape(rows=B, prompt=P, chunk=chunk, prompt_end=-(-P_max // chunk) * chunk, new_tokens=N)
 
 
-def pack_requests(reqs: Sequence[Request], shape: BatchShape,
-                  max_active: int) -> tuple[PromptBatch, ExpertSlots, DecodeSettings, np.ndarray]:
+def pack_requests(reqs: Sequence[Request], shape: BatchShape, max_active: int,
+                  roles: bool = False) -> tuple[PromptBatch, ExpertSlots, DecodeSettings, np.ndarray]:
     """Host arrays for one micro-batch: (prompts, expert slots, decode settings, done bool[B]).
 
     Rows past ``len(reqs)`` are padding: empty prompts, no experts, greedy, and done from the start
     (they never generate). Stop ids are padded with -1 to a fixed width, so their count costs no
-    compile.
+    compile. roles: also pack the role ids (prompt tokens' int32[B, P], generated tokens' int32[B];
+    NO_ROLE in padding) for a role adapter.
     """
     B, P, P_pad = shape.rows, shape.prompt, shape.prompt_end
     tokens = np.zeros((B, P), np.int32)
@@ -236,5 +256,13 @@ def pack_requests(reqs: Sequence[Request], shape: BatchShape,
         temperature[i], top_k[i], top_p[i], max_new[i] = r.temperature, r.top_k, r.top_p, r.max_new_tokens
         stop_ids[i, :len(r.stop_token_ids)] = r.stop_token_ids
     done = np.arange(B) >= len(reqs)
-    return (PromptBatch(tokens, valid), ExpertSlots(ids, weights),
+    prompt_roles = gen_roles = None
+    if roles:
+        prompt_roles = np.full((B, P), NO_ROLE, np.int32)
+        gen_roles = np.full(B, NO_ROLE, np.int32)
+        for i, r in enumerate(reqs):
+            if r.prompt_roles:
+                prompt_roles[i, P_pad - len(r.prompt_roles):P_pad] = r.prompt_roles
+            gen_roles[i] = r.role
+    return (PromptBatch(tokens, valid, prompt_roles), ExpertSlots(ids, weights, gen_roles),
             DecodeSettings(temperature, top_k, top_p, max_new, stop_ids), done)

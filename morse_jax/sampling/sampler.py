@@ -65,11 +65,20 @@ class Sampler:
     (``morse_jax.parallel.make_mesh``) both run with explicit in/out shardings
     (``sampling.sharded``): backbone weights by the logical-axis rules, batch rows and caches
     split over (data, fsdp), the bank replicated.
+
+    ``role_adapter`` (``sampling.loop.RoleAdapter``, MoRAgent's role groups; instead of ``spec``):
+    ``generate``'s ``bank`` is then the adapter's parameters, and each request's ``role`` /
+    ``prompt_roles`` give every token its role inside the jitted prefill and decode steps.
     """
 
     def __init__(self, backbone: Backbone, spec: ExpertBankSpec | None = None,
-                 config: SamplerConfig = DEFAULT_SAMPLER_CONFIG, mesh=None):
+                 config: SamplerConfig = DEFAULT_SAMPLER_CONFIG, mesh=None, role_adapter=None):
+        if role_adapter is not None and (spec is not None or config.decode_path != "fused"
+                                         or config.return_prefix_states):
+            raise ValueError("sampler: a role adapter runs alone (no expert bank spec), on decode_path='fused', "
+                             "without return_prefix_states")
         self.backbone, self.spec, self.config = backbone, spec, config
+        self.role_adapter = role_adapter
         self.cfg = backbone.config
         n_adapt = spec.n_adapt if spec is not None else 0
         # layer whose input the sampler returns (Completion.prefix_states), or None
@@ -87,7 +96,7 @@ class Sampler:
         self.loop_config = loop.LoopConfig(
             cfg=self.cfg, spec=spec, decode_path=config.decode_path, lora_compose=config.lora_compose,
             capture_layer=self.capture_layer, native=native, k_cap=config.k_cap,
-            barrier=mesh is None, cache_dtype=config.cache_dtype)
+            barrier=mesh is None, cache_dtype=config.cache_dtype, role_adapter=role_adapter)
         self._healer: TokenHealer | None = None  # built at the first request that heals
         self.compile_count = 0
         # Wall-clock split of the last generate() call (seconds; summed over micro-batches):
@@ -163,10 +172,11 @@ class Sampler:
                                                              states_dtype=self.params["embed"].dtype)
         state = jax.eval_shape(lambda key, pre, done: initial_state(key, pre, done, N, **capture),
                                jax.eval_shape(lambda: jax.random.PRNGKey(0)), prefill, sds((B,), bool))
-        experts = ExpertSlots(sds((B, A), i32), sds((B, A), f32))
+        experts = ExpertSlots(sds((B, A), i32), sds((B, A), f32),
+                              sds((B,), i32) if self.role_adapter is not None else None)
         settings = DecodeSettings(sds((B,), f32), sds((B,), i32), sds((B,), f32), sds((B,), i32),
                                   sds((B, MAX_STOP_IDS), i32))
-        return self._decode.lower(self.params, bank if self.spec is not None else None, state, experts, settings,
+        return self._decode.lower(self.params, self._bank_arg(bank), state, experts, settings,
                                   sds((), i32))
 
     # ------------------------------------------------------------------ host side
@@ -175,8 +185,9 @@ class Sampler:
         """Generate for every request; returns completions in request order."""
         if not requests:
             return []
+        num_roles = self.role_adapter.num_roles if self.role_adapter is not None else 0
         for i, r in enumerate(requests):
-            check_request(r, i, self.config, self.cfg.vocab_size, self.spec)
+            check_request(r, i, self.config, self.cfg.vocab_size, self.spec, num_roles)
         self.last_stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "batches": 0}
         requests, heals = self._heal(requests)
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
@@ -203,7 +214,8 @@ class Sampler:
                 n, text, allowed = self._healer.heal(r.prompt_ids, r.heal_tokens)
                 if n:
                     h = (text, allowed)
-                    r = dataclasses.replace(r, prompt_ids=list(r.prompt_ids)[:-n])
+                    r = dataclasses.replace(r, prompt_ids=list(r.prompt_ids)[:-n],
+                                            prompt_roles=list(r.prompt_roles)[:-n] if r.prompt_roles else ())
             out.append(dataclasses.replace(r, heal_tokens=0) if r.heal_tokens else r)
             heals.append(h)
         return out, heals
@@ -212,8 +224,9 @@ class Sampler:
         """One micro-batch; ``heals[i]``: (dropped text, allowed first tokens bool[V]) or None."""
         heals = list(heals) if heals is not None else [None] * len(reqs)
         shape = batch_shape(reqs, self.config)
-        prompts, experts, settings, done = pack_requests(reqs, shape, self.config.max_active)
-        bank_arg = bank if self.spec is not None else None
+        prompts, experts, settings, done = pack_requests(reqs, shape, self.config.max_active,
+                                                         roles=self.role_adapter is not None)
+        bank_arg = self._bank_arg(bank)
         t0 = time.perf_counter()
         pre = self._prefill(self.params, bank_arg, prompts, experts, np.int32(shape.prefill_chunks),
                             cache_len=shape.cache_len, chunk=shape.chunk)
@@ -240,6 +253,11 @@ class Sampler:
                            logps=np.asarray(state.logps), n_gen=np.asarray(state.n_gen), reason=np.asarray(state.reason), stop_at=stop_at,
                            heals=heals, first_logits=first_logits, prompt_end=shape.prompt_end,
                            prompt_states=prompt_states, gen_states=gen_states)
+
+    def _bank_arg(self, bank):
+        """What the jitted functions get as ``bank``: the expert bank, the role adapter's
+        parameters, or None (no adapter: a stray value must not become a compile key)."""
+        return bank if self.spec is not None or self.role_adapter is not None else None
 
     def _constrain_first_token(self, logits: jax.Array, heals) -> tuple[np.ndarray, jax.Array]:
         """(the unconstrained logits on the host float32[B, V], the logits with each healed row

@@ -23,20 +23,26 @@ class PromptBatch:
 
     tokens: int32[B, P] (0 in padding). valid: bool[B, P] (True on prompt tokens). Every row's
     prompt ends at the same slot (``requests.BatchShape.prompt_end``), so the first new token of
-    every row lands at one cache slot.
+    every row lands at one cache slot. roles: int32[B, P] each prompt token's role id for a role
+    adapter (``loop.RoleAdapter``; NO_ROLE = -1 in padding and on tokens of no role), or None
+    (the sampler has no role adapter).
     """
 
     tokens: Any
     valid: Any
+    roles: Any = None
 
 
 @struct.dataclass
 class ExpertSlots:
-    """Each row's active expert set: ids int32[B, A] into the bank, weights float32[B, A]
-    (unused slots: id 0, weight 0)."""
+    """Each row's adapter selection: for an expert bank, the active set, ids int32[B, A] into the
+    bank and weights float32[B, A] (unused slots: id 0, weight 0); for a role adapter
+    (``loop.RoleAdapter``), roles int32[B]: the role id of the tokens the row generates (None
+    without a role adapter)."""
 
     ids: Any
     weights: Any
+    roles: Any = None
 
 
 @struct.dataclass

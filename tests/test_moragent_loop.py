@@ -15,7 +15,6 @@ import pytest
 
 from morse_jax.models import ModelConfig, init_params
 from morse_jax.models import decode as D
-from morse_jax.models.chat import encode_chat
 from morse_jax.models.loading import Backbone
 from morse_jax.mor.batch import NO_ROLE
 from morse_jax.run import role_loop as rl
@@ -146,8 +145,9 @@ def test_next_role():
 def test_turn_prompt_role_ids(char_tokenizer):
     traj = Trajectory(turns=(Turn("user", "do f"), Turn("reasoner", "ok. Next: executor.")), system="S")
     ids, roles = rl.turn_prompt(traj, "executor", char_tokenizer)
-    assert ids == encode_chat(char_tokenizer, [{"role": "system", "content": "S"}, {"role": "user", "content": "do f"},
-                                               {"role": "assistant", "content": "ok. Next: executor."}])
+    assert char_tokenizer.decode(ids) == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\ndo f<|im_end|>\n"
+                                          "<|im_start|>assistant\nok. Next: executor.<|im_end|>\n"
+                                          "<|im_start|>assistant\n")
     text = [char_tokenizer.convert_ids_to_tokens(i) for i in ids]
     header = len("<|im_start|>assistant\n".replace("<|im_start|>", "#"))  # one token for the special token
     assert roles[-header:] == [1] * header  # the generation header runs under the executor's group

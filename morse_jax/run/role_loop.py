@@ -29,7 +29,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from morse_jax.models.chat import encode_chat
 from morse_jax.sampling.requests import Completion, Request
 from morse_jax.sft.data import chat_messages, render
 from morse_jax.tasks.trajectories import ROLE_NAMES, Trajectory, Turn
@@ -76,7 +75,10 @@ def turn_prompt(traj: Trajectory, role: str, tokenizer) -> tuple[list[int], list
     generation header that follows gets ``role``'s id. Raises ValueError when the template does
     not tokenize the episode as a prefix of the prompt.
     """
-    ids = encode_chat(tokenizer, chat_messages(traj), add_generation_prompt=True)
+    # not models.chat.encode_chat: it continues a final assistant message, and here the last turn
+    # (e.g. the reasoner's) is closed and a new assistant turn opens
+    text = tokenizer.apply_chat_template(chat_messages(traj), tokenize=False, add_generation_prompt=True)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     rendered = render(traj, tokenizer)
     n = len(rendered.tokens)
     if ids[:n] != rendered.tokens.tolist():
@@ -124,9 +126,7 @@ def run_role_loop(starts: Sequence[Trajectory], generate: Callable[[Sequence[Req
             e.add(Turn(e.role, text))
             e.tokens += len(c.token_ids)
             e.role_turns += 1
-            e.role = _after(e.role, text, config, observe, e)
-            if e.role is not None and e.role_turns >= config.max_turns:
-                e.role = None
+            e.role = None if e.role_turns >= config.max_turns else _after(e.role, text, config, observe, e)
 
 
 def _after(role: str, text: str, config: RoleLoopConfig, observe, episode: Episode) -> str | None:

@@ -40,6 +40,10 @@ def run(cfg) -> int:
     if lead:
         prepare_workdir(cfg, workdir)
     barrier("workdir ready")
+    if cfg.system == "moragent":  # SFT -> BFCL evaluation -> report
+        from morse_jax.run.moragent import run_moragent
+
+        return run_moragent(cfg, workdir, t_start=t_start)
     if cfg.mode in ("plan", "solve"):
         from morse_jax.run.solve import solve
 

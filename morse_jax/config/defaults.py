@@ -14,7 +14,11 @@ MODES = ("train", "eval", "plan", "solve", "diagnose", "describe")
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.mode = "train"  # one of MODES
-    c.variant = "D"  # one of config.variants.VARIANTS: adapters and credit (training: mode; DAG or not: rollout.single_agent)
+    # morse: MoRSE (planner, DAG, MoLE experts, HGRPO) | moragent: MoRAgent (role loop, MoR, SFT, BFCL; moragent.*)
+    c.system = "morse"
+    # one of config.variants.VARIANTS (system morse: adapters and credit; training: mode; DAG or not:
+    # rollout.single_agent) or AGENT_VARIANTS (system moragent)
+    c.variant = "D"
     c.workdir = "runs/default"  # checkpoints, metrics, report; an existing run there is resumed
     c.fresh = False  # True: ignore checkpoints in workdir and start over
     c.seed = 0
@@ -123,9 +127,53 @@ def get_config() -> ml_collections.ConfigDict:
     # (auto: where they apply, XLA otherwise; see SamplerConfig.cpu_kernels)
     c.sampler.cpu_kernels = "auto"
 
+    c.moragent = moragent_defaults()
+
     c.parallel = ml_collections.ConfigDict()
     c.parallel.mesh = (-1, 1, 1)  # (data, fsdp, tensor); -1 fills with the remaining devices
     c.parallel.coordinator = ""  # host:port for jax.distributed.initialize (empty: from env / single)
     c.parallel.num_processes = 0
     c.parallel.process_id = -1
     return c
+
+
+def moragent_defaults() -> ml_collections.ConfigDict:
+    """MoRAgent's fields (``config.system="moragent"``): training data, the MoR adapter, SFT, the role
+    loop and the BFCL evaluation. Paper settings (MoRAgent §4.2): rank 16, 1 shared + 4 / 4 / 3
+    routed LoRAs per role with top 3 / 3 / 2, all seven projections, lr 5e-5, 4 epochs,
+    alpha1 1e-3, alpha2 1e-4."""
+    m = ml_collections.ConfigDict()
+    # training data: "synthetic" (morse_jax.tasks.bfcl.synthetic, leakage-free, converted to the
+    # multi-role format) or a JSON Lines file in the multi-role format (morse_jax.tasks.trajectories)
+    m.train_data = "synthetic"
+    m.synthetic_examples = 5000  # records generated for "synthetic"
+    m.heldout_examples = 200  # of them (or of the file's records) held out for the per-role held-out loss
+    # the MoR adapter (morse_jax.mor); the role names are morse_jax.tasks.trajectories.ROLE_NAMES
+    m.routed = (4, 4, 3)  # routed LoRAs per role (reasoner, executor, summarizer), plus one shared each
+    m.top_k = (3, 3, 2)  # routed LoRAs kept per token in each role's group
+    m.rank = 16
+    m.targets = ("q", "k", "v", "o", "gate", "up", "down")
+    m.n_adapt = 0  # adapted layers (the last ones); 0 = every layer
+    m.shared_gate = "always"  # the shared LoRA: always on (paper) | sigmoid (authors' code: a per-token gate)
+    m.scale = 1.0  # factor on every delta (the authors' code has no alpha / rank scaling)
+    m.routers = True  # False: no routers, uniform weights over each group's routed LoRAs (ablation)
+    m.lora_rank = 0  # rank of the plain-LoRA baseline (variant lora); 0 = MoR's trainable-parameter budget
+    # SFT (morse_jax.sft)
+    m.epochs = 4
+    m.lr = 5e-5
+    m.warmup_fraction = 0.03
+    m.balance_weight = 1e-3  # alpha1: load-balance loss
+    m.orth_weight = 1e-4  # alpha2: orthogonality loss
+    m.batch_size = 8  # sequences per optimizer step (micro_batch x accumulation)
+    m.micro_batch = 4
+    m.max_len = 1024  # longer rendered trajectories are left out (counted)
+    m.checkpoint_every = 50  # optimizer steps
+    # evaluation: BFCL items "category:count" (evenly spaced in BFCL's order; count 0 = all)
+    m.eval_subset = ("simple_python:100", "multiple:50", "parallel:50", "irrelevance:50")
+    m.eval_batch = 8  # items answered per batch (answers are appended to <workdir>/bfcl_answers.jsonl)
+    m.direct_max_new_tokens = 128  # the direct protocol's answer budget
+    m.max_turns = 4  # role turns per episode (role loop)
+    m.reasoner_max_new_tokens = 96
+    m.executor_max_new_tokens = 128
+    m.summarizer_max_new_tokens = 64
+    return m

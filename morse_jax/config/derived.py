@@ -8,12 +8,17 @@ largest new-token bucket) is a one-line config error before any weights load.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
-from morse_jax.config.variants import variant_of
+from morse_jax.config.variants import agent_variant_of, variant_of
 from morse_jax.mole.experts import ExpertBankSpec
+from morse_jax.mor.config import MoRConfig
+from morse_jax.mor.params import plain_lora_config
 from morse_jax.rl.update import TrainConfig
 from morse_jax.sampling.sampler import SamplerConfig
+from morse_jax.sft.config import DEFAULT_BUCKETS, SFTConfig
+from morse_jax.tasks.trajectories import ROLE_NAMES
 from morse_jax.tomas.config import OrchestratorConfig, SamplingSettings
 
 _DEFAULT_SAMPLER = SamplerConfig()
@@ -124,3 +129,34 @@ def orchestrator_config(cfg, mode: str, *, stop_token_ids=(), stop_strings=(),
         max_nodes=r.max_nodes,
         max_replans=r.max_replans, planner_prefix=r.planner_prefix, answer_prefix=r.answer_prefix,
         heal_answer_prefix=r.heal_answer_prefix, seed=cfg.seed)
+
+
+# --------------------------------------------------------------------------- MoRAgent (config.system="moragent")
+
+
+def mor_config(cfg, model_cfg) -> MoRConfig | None:
+    """The variant's adapter (``morse_jax.mor.MoRConfig``): MoR with ``moragent.*``'s groups, or the
+    plain-LoRA row (one LoRA on every token with MoR's trainable budget, or rank
+    ``moragent.lora_rank``); None for a variant without adapter. ``model_cfg`` sizes the budget."""
+    v = agent_variant_of(cfg)
+    if v.adapter == "none":
+        return None
+    m = cfg.moragent
+    mor = MoRConfig(role_names=ROLE_NAMES, routed=tuple(m.routed), top_k=tuple(m.top_k), rank=m.rank,
+                    targets=tuple(m.targets), n_adapt=m.n_adapt or None, shared_gate=m.shared_gate, scale=m.scale,
+                    routing="router" if m.routers else "uniform", use_balance=m.balance_weight > 0,
+                    use_orth=m.orth_weight > 0)
+    if v.adapter == "lora":
+        return dataclasses.replace(mor, kind="lora", rank=m.lora_rank) if m.lora_rank else \
+            plain_lora_config(model_cfg, mor)
+    return mor
+
+
+def sft_config(cfg) -> SFTConfig:
+    """The SFT trainer's settings (``morse_jax.sft.SFTConfig``) from ``moragent.*``: length buckets
+    up to ``moragent.max_len``, accumulation = batch_size / micro_batch."""
+    m = cfg.moragent
+    buckets = tuple(b for b in DEFAULT_BUCKETS if b < m.max_len) + (m.max_len,)
+    return SFTConfig(learning_rate=m.lr, warmup_fraction=m.warmup_fraction, epochs=m.epochs,
+                     micro_batch=m.micro_batch, accum_steps=m.batch_size // m.micro_batch, length_buckets=buckets,
+                     seed=cfg.seed, checkpoint_every=m.checkpoint_every)

@@ -8,7 +8,10 @@ from pathlib import Path
 import ml_collections
 
 from morse_jax.config.defaults import MODES, get_config as defaults
-from morse_jax.config.variants import VARIANTS
+from morse_jax.config.variants import AGENT_VARIANTS, VARIANTS
+
+SYSTEMS = ("morse", "moragent")
+AGENT_MODES = ("train", "eval")
 
 
 class ConfigError(ValueError):
@@ -75,6 +78,10 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
     _walk(cfg, defaults())
     if cfg.mode not in MODES:
         raise ConfigError(f"config.mode: must be one of {MODES}, got {cfg.mode!r}")
+    if cfg.system not in SYSTEMS:
+        raise ConfigError(f"config.system: must be one of {SYSTEMS}, got {cfg.system!r}")
+    if cfg.system == "moragent":
+        return _validate_moragent(cfg, check_paths=check_paths)
     if cfg.variant not in VARIANTS:
         raise ConfigError(f"config.variant: must be one of {sorted(VARIANTS)}, got {cfg.variant!r}")
     _positive(cfg, "rollout.routes", "rollout.candidates", "rollout.max_attempts", "rollout.max_new_tokens",
@@ -135,19 +142,9 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
     if len(cfg.parallel.mesh) != 3 or any(not isinstance(v, int) or (v < 1 and v != -1) for v in cfg.parallel.mesh):
         raise ConfigError(f"config.parallel.mesh: must be 3 ints (data, fsdp, tensor), each >= 1 or -1, "
                           f"got {tuple(cfg.parallel.mesh)}")
-    if not cfg.model.path and cfg.mode != "describe":
-        raise ConfigError("config.model.path: required: an HF checkpoint directory, a .gguf file, or 'embedded'")
+    _model_path(cfg, check_paths)
     if not check_paths:
         return
-    if cfg.model.path != "embedded" and not Path(cfg.model.path).expanduser().exists():
-        raise ConfigError(f"config.model.path: {cfg.model.path} does not exist")
-    if cfg.model.path == "embedded":
-        from morse_jax.models.loading import embedded_model_path
-
-        try:
-            embedded_model_path()
-        except FileNotFoundError as e:
-            raise ConfigError(f"config.model.path: {e}") from e
     if cfg.mode in ("train", "eval", "diagnose") and cfg.data.family != "pyfuncs":
         for field in ("train", "eval"):
             src = cfg.data[field]
@@ -165,3 +162,76 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
                           "test_data.h5; without it only the 'package:dev' problems can be scored)")
     if cfg.data.scicode_h5 and not Path(cfg.data.scicode_h5).expanduser().exists():
         raise ConfigError(f"config.data.scicode_h5: {cfg.data.scicode_h5} does not exist")
+
+
+def _model_path(cfg, check_paths: bool) -> None:
+    if not cfg.model.path and cfg.mode != "describe":
+        raise ConfigError("config.model.path: required: an HF checkpoint directory, a .gguf file, or 'embedded'")
+    if not check_paths:
+        return
+    if cfg.model.path != "embedded" and not Path(cfg.model.path).expanduser().exists():
+        raise ConfigError(f"config.model.path: {cfg.model.path} does not exist")
+    if cfg.model.path == "embedded":
+        from morse_jax.models.loading import embedded_model_path
+
+        try:
+            embedded_model_path()
+        except FileNotFoundError as e:
+            raise ConfigError(f"config.model.path: {e}") from e
+
+
+def _validate_moragent(cfg, *, check_paths: bool) -> None:
+    """config.system="moragent": the variant, the moragent.* fields, the model and data paths."""
+    from morse_jax.models.adapters import LORA_TARGETS
+    from morse_jax.tasks.bfcl.subset import parse_subset
+    from morse_jax.tasks.trajectories import ROLE_NAMES
+
+    m = cfg.moragent
+    if cfg.variant not in AGENT_VARIANTS:
+        raise ConfigError(f"config.variant: must be one of {sorted(AGENT_VARIANTS)} with system=moragent, "
+                          f"got {cfg.variant!r}")
+    if cfg.mode not in AGENT_MODES:
+        raise ConfigError(f"config.mode: must be one of {AGENT_MODES} with system=moragent, got {cfg.mode!r}")
+    if cfg.mode == "train" and not AGENT_VARIANTS[cfg.variant].trains:
+        raise ConfigError(f"config.mode: variant {cfg.variant!r} has no adapters to train; use mode=eval")
+    n = len(ROLE_NAMES)
+    for name in ("routed", "top_k"):
+        if len(m[name]) != n or any(not isinstance(v, int) or v < 1 for v in m[name]):
+            raise ConfigError(f"config.moragent.{name}: must be {n} ints >= 1 (one per role: {', '.join(ROLE_NAMES)}), "
+                              f"got {tuple(m[name])}")
+    for role, k, e in zip(ROLE_NAMES, m.top_k, m.routed):
+        if k > e:
+            raise ConfigError(f"config.moragent.top_k: {role} keeps {k} of {e} routed LoRAs (moragent.routed)")
+    bad = [t for t in m.targets if t not in LORA_TARGETS]
+    if not m.targets or bad:
+        raise ConfigError(f"config.moragent.targets: must be a non-empty subset of {LORA_TARGETS}, got {tuple(m.targets)}")
+    _choice(cfg, "moragent.shared_gate", ("always", "sigmoid"))
+    _positive(cfg, "moragent.rank", "moragent.epochs", "moragent.batch_size", "moragent.micro_batch",
+              "moragent.checkpoint_every", "moragent.eval_batch", "moragent.direct_max_new_tokens",
+              "moragent.max_turns", "moragent.reasoner_max_new_tokens", "moragent.executor_max_new_tokens",
+              "moragent.summarizer_max_new_tokens", "moragent.synthetic_examples", "moragent.max_len")
+    for name in ("n_adapt", "lora_rank", "heldout_examples"):
+        if m[name] < 0:
+            raise ConfigError(f"config.moragent.{name}: must be >= 0, got {m[name]}")
+    for name in ("balance_weight", "orth_weight", "scale"):
+        if m[name] < 0:
+            raise ConfigError(f"config.moragent.{name}: must be >= 0, got {m[name]}")
+    if m.lr <= 0:
+        raise ConfigError(f"config.moragent.lr: must be > 0, got {m.lr}")
+    if not 0 <= m.warmup_fraction < 1:
+        raise ConfigError(f"config.moragent.warmup_fraction: must be in [0, 1), got {m.warmup_fraction}")
+    if m.batch_size % m.micro_batch:
+        raise ConfigError(f"config.moragent.batch_size: {m.batch_size} is not a multiple of "
+                          f"config.moragent.micro_batch={m.micro_batch}")
+    if m.train_data == "synthetic" and m.heldout_examples >= m.synthetic_examples:
+        raise ConfigError(f"config.moragent.heldout_examples: {m.heldout_examples} leaves no training example of "
+                          f"config.moragent.synthetic_examples={m.synthetic_examples}")
+    try:
+        parse_subset(tuple(m.eval_subset))
+    except ValueError as e:
+        raise ConfigError(f"config.moragent.eval_subset: {e}") from e
+    _model_path(cfg, check_paths)
+    if check_paths and m.train_data != "synthetic" and AGENT_VARIANTS[cfg.variant].trains:
+        if not Path(m.train_data).expanduser().is_file():
+            raise ConfigError(f"config.moragent.train_data: {m.train_data} is not 'synthetic' or an existing "
+                              "JSON Lines file")

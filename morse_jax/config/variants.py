@@ -74,7 +74,11 @@ def apply_variant(c: ml_collections.ConfigDict, name: str) -> ml_collections.Con
     """Apply the overlay of ablation variant ``name`` (a key of VARIANTS) to ``c`` in place."""
     if name not in VARIANTS:
         raise ValueError(f"config variant: unknown {name!r}; choose one of {sorted(VARIANT_OVERLAYS)}")
-    for dotted, value in VARIANTS[name].overlay(name).items():
+    return _write_overlay(c, VARIANTS[name].overlay(name))
+
+
+def _write_overlay(c: ml_collections.ConfigDict, overlay: dict) -> ml_collections.ConfigDict:
+    for dotted, value in overlay.items():
         node = c
         *groups, field = dotted.split(".")
         for g in groups:
@@ -86,3 +90,58 @@ def apply_variant(c: ml_collections.ConfigDict, name: str) -> ml_collections.Con
 def variant_dir(name: str) -> str:
     """A file-system-friendly name for a variant ("B++" -> "Bpp")."""
     return name.replace("+", "p")
+
+
+# --------------------------------------------------------------------------- MoRAgent (config.system="moragent")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentVariant:
+    """A MoRAgent row (the paper's Tables 2, 4 and 6): what adapter sits on the backbone, how an
+    item is answered, and the objective settings the row fixes.
+
+    adapter: none | lora (one plain LoRA with MoR's trainable budget) | mor (role groups).
+    protocol: direct (BFCL's own prompt, one call) | roles (the role loop, ``run.role_loop``).
+    sets: the config fields (dotted, under ``moragent``) the row writes.
+    """
+
+    adapter: str
+    protocol: str
+    what: str
+    sets: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def trains(self) -> bool:
+        return self.adapter != "none"
+
+    def overlay(self, name: str) -> dict:
+        out: dict = {"variant": name, **dict(self.sets)}
+        if not self.trains:
+            out["mode"] = "eval"
+        return out
+
+
+AGENT_VARIANTS = {
+    "base": AgentVariant("none", "direct", "the backbone alone with BFCL's prompting-mode prompt (Table 2/6 Base)"),
+    "lora": AgentVariant("lora", "roles", "one plain LoRA with MoR's trainable-parameter budget, same data and "
+                         "role loop (Table 6 LoRA)"),
+    "mor": AgentVariant("mor", "roles", "MoR: role groups with token routers, balance + orthogonality losses "
+                        "(Table 2 MoRAgent)"),
+    "mor_no_router": AgentVariant("mor", "roles", "MoR without routers: uniform weights over each group's LoRAs",
+                                  sets=(("moragent.routers", False),)),
+    "mor_no_balance": AgentVariant("mor", "roles", "MoR without the balance loss (Table 4, alpha1 = 0)",
+                                   sets=(("moragent.balance_weight", 0.0),)),
+    "mor_no_orth": AgentVariant("mor", "roles", "MoR without the orthogonality loss (Table 4, alpha2 = 0)",
+                                sets=(("moragent.orth_weight", 0.0),)),
+}
+
+
+def agent_variant_of(cfg) -> AgentVariant:
+    return AGENT_VARIANTS[cfg.variant]
+
+
+def apply_agent_variant(c: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+    """Apply MoRAgent row ``name`` (a key of AGENT_VARIANTS) to ``c`` in place."""
+    if name not in AGENT_VARIANTS:
+        raise ValueError(f"config variant: unknown MoRAgent variant {name!r}; choose one of {sorted(AGENT_VARIANTS)}")
+    return _write_overlay(c, AGENT_VARIANTS[name].overlay(name))

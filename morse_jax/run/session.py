@@ -28,7 +28,8 @@ def clear_run(workdir: Path) -> None:
 
     for name in ("checkpoints", "tb"):
         shutil.rmtree(workdir / name, ignore_errors=True)
-    for name in ("metrics.jsonl", "report.md", "report.json", "config.json", "eval.json"):
+    for name in ("metrics.jsonl", "report.md", "report.json", "config.json", "eval.json", "bfcl_answers.jsonl",
+                 "bfcl_eval.json"):
         (workdir / name).unlink(missing_ok=True)
     for png in workdir.glob("*.png") if workdir.exists() else ():
         png.unlink()

@@ -15,7 +15,9 @@ from morse_jax.run.describe import describe
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "morse-reference"
-PAPER = sorted(p for p in (REPO / "configs").glob("*.py") if p.stem not in ("quickstart", "learn_cpu"))  # CPU configs
+# MoRSE paper configs (not the CPU ones, not MoRAgent's)
+PAPER = sorted(p for p in (REPO / "configs").glob("*.py") if p.stem not in ("quickstart", "learn_cpu")
+               and not p.stem.startswith("moragent_"))
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="reference data (../shared/data) not present")
 
 # Qwen3-4B-Instruct-2507's config.json, the fields the decoder reads (no weights).

@@ -40,6 +40,18 @@ def test_variants_set_their_rows():
     assert (tuple(m.routed), tuple(m.top_k)) == ((4, 4, 3), (3, 3, 2))
 
 
+@pytest.mark.parametrize("name", ["moragent_quickstart", "moragent_bfcl"])
+@pytest.mark.parametrize("variant", ["base", "lora", "mor", "mor_no_router", "mor_no_balance", "mor_no_orth"])
+def test_every_config_and_variant_validates(name, variant):
+    cfg = _config(name, variant)
+    assert cfg.variant == variant and cfg.mode == ("eval" if variant == "base" else "train")
+    if not cfg.model.path:  # the paper config: the user gives the checkpoint
+        with pytest.raises(ConfigError, match=r"^config\.model\.path: required"):
+            validate_config(cfg, check_paths=False)
+        cfg.model.path = "/ckpt/Llama-3.2-1B-Instruct"
+    validate_config(cfg, check_paths=False)
+
+
 def test_derived_adapter_and_sft_settings():
     mc = ModelConfig(family="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=9, num_heads=4,
                      num_kv_heads=2, head_dim=8)

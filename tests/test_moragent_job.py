@@ -166,7 +166,8 @@ def test_tiny_end_to_end_sft_then_bfcl_then_report(tmp_path_factory):
         if variant == "mor":
             assert all(r["turns"][0][0] == "reasoner" for r in answers.values())
             train = rows["mor"]["train"]
-            assert train["steps"] == 2 and train["held-out CE after"] is not None
-            kinds = {json.loads(line)["kind"] for line in (wd / "metrics.jsonl").read_text().splitlines()}
-            assert {"sft_train", "sft_eval"} <= kinds
+            recs = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
+            # one optimizer step per (length bucket, rows_per_step) batch of the 8 training examples
+            assert train["steps"] == sum(r["kind"] == "sft_train" for r in recs) >= 2
+            assert train["held-out CE after"] is not None and any(r["kind"] == "sft_eval" for r in recs)
     assert set(rows["base"]["rows"]) == {"base", "mor"}  # the later run's report holds both rows

@@ -4,10 +4,12 @@ the rule-based converter from function-calling records."""
 from __future__ import annotations
 
 import json
-import string
 
 import numpy as np
 import pytest
+
+import chat_common
+from chat_common import CHATML
 
 from morse_jax.sft import data
 from morse_jax.tasks import trajectories
@@ -15,27 +17,11 @@ from morse_jax.tasks.bfcl import trajectories as fc_trajectories
 from morse_jax.tasks import bfcl
 from morse_jax.tasks.bfcl import synthetic
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-IM_START, IM_END = 1, 2
 
 
 @pytest.fixture(scope="module")
 def char_tokenizer():
-    """A character-level fast tokenizer with ChatML special tokens (one token per character)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
-    for c in sorted(set(string.printable)):
-        vocab.setdefault(c, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
-    fast.chat_template = CHATML
-    return fast
+    return chat_common.char_tokenizer()
 
 
 GOOD = {"functions": [{"name": "f", "description": "d", "parameters": {"type": "dict", "properties": {}}}],

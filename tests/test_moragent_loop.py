@@ -5,13 +5,15 @@ prompts' role ids."""
 
 from __future__ import annotations
 
-import string
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import chat_common
+
 
 from morse_jax.models import ModelConfig, init_params
 from morse_jax.models import decode as D
@@ -22,9 +24,6 @@ from morse_jax.sampling.requests import Completion, Request, SamplerConfig
 from morse_jax.sampling.sampler import Sampler
 from morse_jax.tasks.trajectories import Trajectory, Turn
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-IM_START, IM_END = 1, 2
 CFG = ModelConfig(family="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
                   num_kv_heads=2, head_dim=8)
 N_ROLES, N_ADAPT = 3, 2
@@ -32,20 +31,7 @@ N_ROLES, N_ADAPT = 3, 2
 
 @pytest.fixture(scope="module")
 def char_tokenizer():
-    """A character-level fast tokenizer with ChatML special tokens (one token per character)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
-    for c in sorted(set(string.printable)):
-        vocab.setdefault(c, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
-    fast.chat_template = CHATML
-    return fast
+    return chat_common.char_tokenizer()
 
 
 class RoleDelta(NamedTuple):

@@ -173,16 +173,24 @@ def mor_logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
     return (None, *(None if i is None else _KERNELS[names[1]][i] for i in rule))
 
 
+def _tree_specs(mesh: Mesh, params: Any, cfg: ModelConfig | None, logical_axes) -> Any:
+    """PartitionSpec per leaf from ``logical_axes(path, ndim)`` (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: logical_spec(mesh, logical_axes(p, len(shape_of(x))), shape_of(x), cfg), params)
+
+
+def _named(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def mor_param_specs(mesh: Mesh, params: Any, cfg: ModelConfig | None = None) -> Any:
     """PartitionSpec per leaf of a MoR adapter tree (arrays or ShapeDtypeStructs)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: logical_spec(mesh, mor_logical_axes(p, len(shape_of(x))), shape_of(x), cfg), params)
+    return _tree_specs(mesh, params, cfg, mor_logical_axes)
 
 
 def mor_param_shardings(mesh: Mesh, params: Any, cfg: ModelConfig | None = None) -> Any:
     """NamedSharding per leaf of a MoR adapter tree (place it with :func:`to_global`)."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), mor_param_specs(mesh, params, cfg),
-                        is_leaf=lambda x: isinstance(x, P))
+    return _named(mesh, mor_param_specs(mesh, params, cfg))
 
 
 def shape_of(x) -> tuple[int, ...]:
@@ -192,14 +200,12 @@ def shape_of(x) -> tuple[int, ...]:
 
 def param_specs(mesh: Mesh, params: Any, cfg: ModelConfig | None = None) -> Any:
     """PartitionSpec per leaf of a backbone (or decode-params) tree."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: logical_spec(mesh, param_logical_axes(p, len(shape_of(x))), shape_of(x), cfg), params)
+    return _tree_specs(mesh, params, cfg, param_logical_axes)
 
 
 def param_shardings(mesh: Mesh, params: Any, cfg: ModelConfig | None = None) -> Any:
     """NamedSharding per leaf of a backbone (or decode-params) tree."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(mesh, params, cfg),
-                        is_leaf=lambda x: isinstance(x, P))
+    return _named(mesh, param_specs(mesh, params, cfg))
 
 
 def shard_params(mesh: Mesh, params: Any, cfg: ModelConfig | None = None) -> Any:

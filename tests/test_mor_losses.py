@@ -171,6 +171,33 @@ def test_orthogonality_matches_materialised_delta_w():
     np.testing.assert_allclose(got, sum(pair_mean(x, y) for x, y in groups), rtol=1e-4)
 
 
+def test_orthogonality_gradient_matches_materialised_delta_w():
+    """The Gram blocks' written-out gradient (losses.gram_blocks) against autodiff of the
+    definition with ΔW_i = A_i B_i materialised."""
+    rng = np.random.default_rng(7)
+    L, E, d_in, r, d_out = 2, 4, 7, 3, 5
+    a = jnp.asarray(rng.normal(size=(L, E, d_in, r)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(L, E, r, d_out)), jnp.float32)
+
+    def definition(a, b):
+        dw = jnp.einsum("ledr,lero->ledo", a, b)
+        inner = jnp.einsum("lido,ljdo->lij", dw, dw)
+        sq = jnp.einsum("lido,lido->li", dw, dw)
+        c2 = inner ** 2 / (sq[:, :, None] * sq[:, None, :] + losses.ORTH_EPS)
+        i, j = np.triu_indices(E, 1)
+        return jnp.mean(c2[:, i, j])
+
+    got = jax.grad(losses.orthogonality_loss, argnums=(0, 1))(a, b)
+    want = jax.grad(definition, argnums=(0, 1))(a, b)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6 * float(jnp.max(jnp.abs(w))))
+    x = jnp.asarray(rng.normal(size=(3, E, d_in, r)), jnp.float32)  # and the Gram alone, any cotangent
+    ct = jnp.asarray(rng.normal(size=(3, E, E, r, r)), jnp.float32)
+    np.testing.assert_allclose(jax.vjp(losses.gram_blocks, x)[1](ct)[0],
+                               jax.vjp(lambda x: jnp.einsum("...idr,...jds->...ijrs", x, x), x)[1](ct)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_orthogonality_extremes_and_zero_init():
     rng = np.random.default_rng(6)
     d_in, r, d_out = 8, 2, 6

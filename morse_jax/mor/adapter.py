@@ -42,6 +42,7 @@ from flax import struct
 
 from morse_jax.models.adapters import GROUPS
 from morse_jax.mor.config import MoRConfig
+from morse_jax.mor.topk import topk_mask
 
 NEG_INF = -1e30  # not -inf: a masked logit must not turn a softmax gradient into NaN
 
@@ -68,8 +69,7 @@ def token_weights(cfg: MoRConfig, router_logits: jax.Array | None, gate_logits: 
         else:
             start = cfg.router_offset(r)
             logits = router_logits[..., start:start + e].astype(jnp.float32)
-            _, idx = jax.lax.top_k(logits, k)  # ties: lowest index first
-            keep = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=-2) > 0
+            keep = topk_mask(logits, k)  # ties: lowest index first
             # softmax over the kept logits = the kept softmax probabilities renormalised
             routed = jax.nn.softmax(jnp.where(keep, logits, NEG_INF), axis=-1) * keep
         parts.append(routed * on)

@@ -42,6 +42,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from morse_jax.mor.topk import topk_mask
+
 ALPHA_BALANCE = 1e-3  # α1, paper §4.2
 ALPHA_ORTH = 1e-4  # α2, paper §4.2
 ORTH_EPS = 1e-12  # ε of the squared cosine's denominator ‖ΔW_i‖²‖ΔW_j‖² + ε (module docstring)
@@ -96,8 +98,7 @@ def role_ce(logits, tokens, loss_mask, role_ids, role_names: tuple[str, ...]) ->
 
 def _topk_slots(probs, k: int) -> jax.Array:
     """float[..., E] 1 where the expert is among the token's top k (ties: lowest index first)."""
-    _, idx = jax.lax.top_k(probs, k)
-    return jnp.sum(jax.nn.one_hot(idx, probs.shape[-1], dtype=jnp.float32), axis=-2)
+    return topk_mask(probs, k).astype(jnp.float32)
 
 
 def _check_router(router_logits, token_mask, k: int) -> None:
@@ -165,6 +166,30 @@ def router_stats(router_logits, token_mask, k: int) -> dict:
 # --------------------------------------------------------------------------- orthogonality
 
 
+@jax.custom_vjp
+def gram_blocks(x) -> jax.Array:
+    """The r×r blocks of the Gram matrix of E stacked factors: ``G[..., i, j] = X_iᵀ X_j``.
+
+    x: float[..., E, n, r] -> float[..., E, E, r, r] (n contracted). The gradient is written out
+    (``dX_i = Σ_j X_j (dG_ji + dG_ijᵀ)``: one product) because autodiff treats the two operands
+    of ``X_iᵀ X_j`` as distinct and spends two products of the forward's size; this is the
+    orthogonality loss's dominant cost (n = d_in or d_out, E·r columns).
+    """
+    return jnp.einsum("...idr,...jds->...ijrs", x, x)
+
+
+def _gram_fwd(x):
+    return gram_blocks(x), x
+
+
+def _gram_bwd(x, g):
+    sym = g + jnp.swapaxes(jnp.swapaxes(g, -4, -3), -2, -1)  # dG_kjts + dG_jkst
+    return (jnp.einsum("...kjts,...jds->...kdt", sym, x),)
+
+
+gram_blocks.defvjp(_gram_fwd, _gram_bwd)
+
+
 @jax.jit
 def lora_cosine_sq(a, b, eps: float = ORTH_EPS) -> jax.Array:
     """Squared cosine similarity between the LoRA updates ΔW_i = A_i B_i of E LoRAs.
@@ -179,8 +204,8 @@ def lora_cosine_sq(a, b, eps: float = ORTH_EPS) -> jax.Array:
         raise ValueError(f"lora_cosine_sq: expected a [..., E, d_in, r] and b [..., E, r, d_out], got "
                          f"{a.shape} and {b.shape}")
     a, b = _f32(a), _f32(b)
-    gram_a = jnp.einsum("...idr,...jds->...ijrs", a, a)  # A_iᵀ A_j
-    gram_b = jnp.einsum("...ird,...jsd->...ijrs", b, b)  # B_i B_jᵀ
+    gram_a = gram_blocks(a)  # A_iᵀ A_j
+    gram_b = gram_blocks(jnp.swapaxes(b, -1, -2))  # B_i B_jᵀ
     inner = jnp.einsum("...ijrs,...ijrs->...ij", gram_a, gram_b)  # <ΔW_i, ΔW_j>_F
     sq = jnp.diagonal(inner, axis1=-2, axis2=-1)  # ‖ΔW_i‖²
     return inner ** 2 / (sq[..., :, None] * sq[..., None, :] + eps)

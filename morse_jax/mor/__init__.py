@@ -6,7 +6,8 @@ multi-role trajectories (reasoner / executor / summarizer).
   ``morse_jax.sft.data``: rendering with the chat template into tokens + per-token role ids + loss mask.
 * ``morse_jax.mor.losses``: role-masked cross-entropy, the balance and orthogonality losses, router
   statistics (pure functions).
-* ``morse_jax.mor.config``: ``MoRConfig`` (groups, top-k, rank, targets, layers, shared-LoRA gate,
+* ``morse_jax.mor.topk``: the routers' top-k mask (``lax.top_k``'s tie rule, without a sort).
+* ``morse_jax.mor.config: ``MoRConfig`` (groups, top-k, rank, targets, layers, shared-LoRA gate,
   scale; the ablations: plain LoRA, uniform routing, no balance / orthogonality loss).
 * ``morse_jax.mor.params``: the trainable tree stacked [layers, LoRAs, ...], its init and count,
   ``plain_lora_config`` (same budget), the Llama-3.2-1B-Instruct preset and ``PAPER``.

@@ -16,13 +16,10 @@ base model's bit for bit. Rows may differ in role and a row's role may change fr
 ``routing="uniform"`` replaces p and top-k by w_t,i = 1 / E_r; ``kind="lora"`` is one LoRA on
 every token (weight 1).
 
-Compute layout: every token multiplies all N stacked LoRAs: per input group (targets reading the
-same x: q k v / o / gate up / down) ONE product of x with every target's A_cat [d_in, N·r] and
-router (and gate) columns side by side, the per-token weights [B, T, N] (zero outside the token's
-role group) scale each target's N·r columns, then one [N·r, d_out] product per target. Rows of one
-batch may be in different roles, so this one dense form serves them all; N·r = 224 at the paper's
-setting, the FLOPs of a plain LoRA of rank N·r plus the routers. (The routers sharing the A
-product matters on CPU: an 11-column product on its own is slow.)
+Compute layout: every token multiplies all N stacked LoRAs (x @ A_cat is one [d_in, N·r] product),
+the per-token weights [B, T, N] (zero outside the token's role group) scale the N·r columns, then
+one [N·r, d_out] product. Rows of one batch may be in different roles, so this one dense form
+serves them all; N·r = 224 at the paper's setting.
 
 Values:
 
@@ -108,44 +105,23 @@ class MoRLayer:
         chex.assert_equal_shape_prefix([xr, roles], 2)
         return xr, roles
 
-    def _products(self, xr, group):
-        """{(target, part): x @ W_part} for part "a" (all N LoRAs' A, [B, T, N, r]), "router"
-        ([B, T, ΣE_r]) and "gate" ([B, T, roles]) of every target of ``group`` the adapter has, from
-        ONE product of x with their columns side by side (a group's targets read the same x).
-        ``deltas`` and ``aux`` both call it with the same arguments, so XLA computes it once."""
-        d = xr.shape[-1]
-        cols, parts = [], []
-        for t in GROUPS[group]:
-            if t not in self.params["a"]:
-                continue
-            a = _fit(self.params["a"][t], d, -2)  # [N, d, r] -> [d, N·r]
-            cols.append(jnp.transpose(a, (1, 0, 2)).reshape(d, -1))
-            parts.append((t, "a", a.shape[0]))
-            for name in ("router", "gate"):
-                if t in self.params.get(name, {}):
-                    cols.append(_fit(self.params[name][t], d, 0))
-                    parts.append((t, name, None))
-        if not cols:
-            return {}
-        y = jnp.einsum("btd,dn->btn", xr, jnp.concatenate(cols, axis=1).astype(xr.dtype))
-        out, start = {}, 0
-        for (t, name, n), c in zip(parts, cols):
-            v = y[..., start:start + c.shape[1]]
-            out[t, name] = v if n is None else v.reshape(*v.shape[:-1], n, -1)
-            start += c.shape[1]
-        return out
+    def _logits(self, xr, t, name):
+        w = self.params.get(name, {}).get(t)
+        if w is None:
+            return None
+        return jnp.einsum("btd,de->bte", xr, _fit(w, xr.shape[-1], 0).astype(xr.dtype))
 
     def deltas(self, x, group, out_dims, columns):
         targets = [t for t in GROUPS[group] if t in out_dims and t in self.params["a"]]
         if not targets:
             return {}
         xr, roles = self._rows(x, columns)
-        prod = self._products(xr, group)
         out = {}
         for t in targets:
+            a = _fit(self.params["a"][t], xr.shape[-1], -2).astype(x.dtype)
             b = _fit(self.params["b"][t], out_dims[t], -1).astype(x.dtype)
-            w = token_weights(self.cfg, prod.get((t, "router")), prod.get((t, "gate")), roles)
-            xa = prod[t, "a"] * w[..., None].astype(x.dtype)
+            w = token_weights(self.cfg, self._logits(xr, t, "router"), self._logits(xr, t, "gate"), roles)
+            xa = jnp.einsum("btd,ndr->btnr", xr, a) * w[..., None].astype(x.dtype)
             d = jnp.einsum("btnr,nro->bto", xa, b)
             if self.cfg.scale != 1.0:
                 d = d * jnp.asarray(self.cfg.scale, d.dtype)
@@ -157,8 +133,8 @@ class MoRLayer:
         if "router" not in self.params:
             return {}
         xr, _ = self._rows(x, columns)
-        prod = self._products(xr, group)
-        return {t: prod[t, "router"].astype(jnp.float32) for t in GROUPS[group] if (t, "router") in prod}
+        return {t: self._logits(xr, t, "router").astype(jnp.float32)
+                for t in GROUPS[group] if t in self.params["router"]}
 
 
 @struct.dataclass

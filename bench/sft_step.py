@@ -29,9 +29,28 @@ real, 179 targets; all 30 layers; MoR 70.03M trainable, plain LoRA rank 229 69.9
   ours:mor    173.1 s [171.7-174.4]  cpu 56.8   1.97x wall, 1.84x cpu of ours:lora
   ours:lora    87.8 s [82.6-93.0]    cpu 30.8
   torch:peft   76.7 s [75.4-78.0]    cpu 22.9   0.87x wall, 0.74x cpu of ours:lora
-  (first step incl. compile: mor 212 s, lora 114 s). The goal is NOT met (1.97x); transformers +
-  PEFT is 1.15x faster (wall) than our plain LoRA. Not profiled yet; wall times are ~3x the CPU
-  times because of the load, so re-measure on a quieter machine before drawing fine conclusions.
+
+Re-measured 2026-12-04 (``python bench/sft_step.py --reps 3 --ours-only``, defaults otherwise; the
+load of other jobs changes from run to run, so each line is one run's median of 3 alternated reps):
+
+  code                                      load    ours:mor   ours:lora   ratio wall / cpu
+  before (13db8a0, sort top-k, autodiff Gram)  ~2      14.39 s    11.19 s     1.29x / 1.34x
+  before (13db8a0)                           5-6      31.71 s    27.87 s     1.14x / 1.19x
+  group-fused products (0837c36, reverted)  7.5-8.4    51.54 s    44.21 s     1.17x / 1.23x
+  after (this version)                      4.6-5.1    30.01 s    24.43 s     1.23x / 1.17x
+
+So the 1.97x of 2026-12-03 does not reproduce: the same code gives 1.14-1.29x, and the goal
+(<= 1.5x) is met before and after. The changes below make no difference measurable through this
+noise in the whole step (1.23x wall after vs 1.14-1.29x before). Where MoR's extra time goes (pieces timed alone, fwd+bwd,
+SmolLM2 shapes, B x T = 2 x 512): one adapted layer's seven adapters 248 ms (MoR) vs 220 ms (plain
+LoRA rank 229); the orthogonality loss over 30 layers ~640 ms (its Gram blocks are 2·(E·r)²·(d_in +
+d_out) FLOPs per wrapped linear and role, ~6.4 GFLOP forward at 30 layers); the balance loss ~80 ms. Changes:
+the Gram blocks' gradient is written out (one product instead of autodiff's two: 0.58-0.87x of
+the autodiff time per target), and top-k is a fused comparison mask (``mor/topk.py``; one layer's
+adapters 240 ms vs 248 ms). Fusing each input group's A and router products into one product was
+tried and measured slower (330 ms vs 240 ms per layer: the concatenated weights and sliced outputs
+cost more than the saved products), so it is not used. With 6 adapted layers (``--layers 6``)
+MoR is 1.04x plain LoRA (before). The transformers + PEFT row was not re-run (``--ours-only``).
 """
 
 from __future__ import annotations

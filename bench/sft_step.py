@@ -38,10 +38,11 @@ load of other jobs changes from run to run, so each line is one run's median of 
   before (13db8a0)                           5-6      31.71 s    27.87 s     1.14x / 1.19x
   group-fused products (0837c36, reverted)  7.5-8.4    51.54 s    44.21 s     1.17x / 1.23x
   after (this version)                      4.6-5.1    30.01 s    24.43 s     1.23x / 1.17x
+  after (this version), a second run         5-5.4    37.15 s    29.55 s     1.26x / 1.18x
 
 So the 1.97x of 2026-12-03 does not reproduce: the same code gives 1.14-1.29x, and the goal
 (<= 1.5x) is met before and after. The changes below make no difference measurable through this
-noise in the whole step (1.23x wall after vs 1.14-1.29x before). Where MoR's extra time goes (pieces timed alone, fwd+bwd,
+noise in the whole step (1.23x and 1.26x wall after vs 1.14-1.29x before). Where MoR's extra time goes (pieces timed alone, fwd+bwd,
 SmolLM2 shapes, B x T = 2 x 512): one adapted layer's seven adapters 248 ms (MoR) vs 220 ms (plain
 LoRA rank 229); the orthogonality loss over 30 layers ~640 ms (its Gram blocks are 2·(E·r)²·(d_in +
 d_out) FLOPs per wrapped linear and role, ~6.4 GFLOP forward at 30 layers); the balance loss ~80 ms. Changes:

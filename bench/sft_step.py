@@ -38,7 +38,7 @@ load of other jobs changes from run to run, so each line is one run's median of 
   before (13db8a0)                           5-6      31.71 s    27.87 s     1.14x / 1.19x
   group-fused products (0837c36, reverted)  7.5-8.4    51.54 s    44.21 s     1.17x / 1.23x
   after (this version)                      4.6-5.1    30.01 s    24.43 s     1.23x / 1.17x
-  after (this version), a second run         5-5.4    37.15 s    29.55 s     1.26x / 1.18x
+  after (this version), a second run          5-6     37.15 s    29.55 s     1.26x / 1.18x
 
 So the 1.97x of 2026-12-03 does not reproduce: the same code gives 1.14-1.29x, and the goal
 (<= 1.5x) is met before and after. The changes below make no difference measurable through this

@@ -108,10 +108,30 @@ def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
     assert native.build.__wrapped__("cpu_matmul") == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     monkeypatch.setattr(native, "_cpu_signature", lambda: "another machine")
     assert native.build.__wrapped__("cpu_matmul") != first  # -march=native: one library per CPU type
+
+
+def test_forced_width_has_its_own_library_and_flags(monkeypatch, tmp_path):
+    """A forced width is its own cache entry, built with the flags that make the compiler's target
+    match it (a stand-in compiler records the command line: no real compile needed)."""
+    log = tmp_path / "cmds"
+    fake = tmp_path / "fake-cxx"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\nfor a; do [ "$prev" = -o ] && : > "$a"; prev=$a; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("MORSE_JAX_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.delenv("MORSE_JAX_KERNEL_VEC_BYTES", raising=False)
+    isa = native.build.__wrapped__("cpu_matmul")
     forced = {w: native.build.__wrapped__("cpu_matmul", w) for w in (16, 32, 64)}
-    assert len({first, *forced.values()}) == 4, "a forced width must have its own library"
+    assert len({isa, *forced.values()}) == 4, "every width has its own library"
     monkeypatch.setenv("MORSE_JAX_KERNEL_VEC_BYTES", "32")
     assert native.build.__wrapped__("cpu_matmul") == forced[32]  # the switch forces the default build
+    builds = [ln for ln in log.read_text().splitlines() if "cpu_matmul.cc" in ln]
+    assert len(builds) == 4 and "MORSE_VEC_BYTES" not in builds[0]
+    for line, w in zip(builds[1:], (16, 32, 64)):
+        assert f"-DMORSE_VEC_BYTES={w}" in line.split()
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            cap = {16: ["-mno-avx"], 32: ["-mno-avx512f"], 64: []}[w]
+            assert [f for f in line.split() if f.startswith("-mno-")] == cap
 
 
 def isa_vec_bytes() -> int | None:

@@ -6,7 +6,11 @@ probe's weight shape (``kernels.probe``: the model's MLP projection, [1536, 576]
 at 1, 4 and 16 columns. Best of ``--reps`` rounds of 20 calls each; one line per column count with
 microseconds per call and each width's ratio to XLA (>1: the kernel is faster).
 
-Usage:  python bench/kernel_widths.py [--shape 1536,576] [--reps 5]
+Usage:  python bench/kernel_widths.py [--shape 1536,576] [--reps 5] [--old-avx2]
+
+``--old-avx2`` adds the build the per-ISA width replaced, as an AVX2-only host got it: 64-byte
+vectors in AVX2 code (-mno-avx512f -DMORSE_VEC_BYTES=64, compiled into a temporary directory),
+which GCC splits into ymm halves moved through the stack (2026-12-03's 8x slowdown).
 
 On an AVX-512 host the forced 32-byte build shows what the AVX2 code path does, not what an
 AVX2-only machine gets (its XLA runs AVX2 code too, and its memory differs).
@@ -15,8 +19,11 @@ AVX2-only machine gets (its XLA runs AVX2 code too, and its memory differs).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -24,6 +31,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="1536,576")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--old-avx2", action="store_true", help="add the old 64-byte build in AVX2 code")
     args = ap.parse_args(argv)
     import jax
     import jax.numpy as jnp
@@ -41,6 +49,16 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)
     fns = {v: jax.jit(lambda w, x, v=v: cpu_matmul.matmul_cols(w, x, vec_bytes=v)) for v in widths}
+    if args.old_avx2:
+        lib = Path(tempfile.mkdtemp()) / "old_avx2_64.so"
+        subprocess.run([native.compiler(), *native.FLAGS, "-mno-avx512f", "-DMORSE_VEC_BYTES=64",
+                        f"-I{jax.ffi.include_dir()}", f"-I{native.SOURCE_DIR}",
+                        str(native.SOURCE_DIR / "cpu_matmul.cc"), "-o", str(lib)], check=True, capture_output=True)
+        jax.ffi.register_ffi_target("bench_old_avx2_64", jax.ffi.pycapsule(ctypes.CDLL(str(lib)).MorseCpuMatmul),
+                                    platform="cpu")
+        widths.append("avx2-64")
+        fns["avx2-64"] = jax.jit(lambda w, x: jax.ffi.ffi_call(
+            "bench_old_avx2_64", jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32))(w, x))
     xla = jax.jit(jnp.matmul)
     for b in (1, 4, 16):
         x = jnp.asarray(rng.standard_normal((k, b)), jnp.float32)

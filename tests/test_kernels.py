@@ -2,22 +2,30 @@
 build rules.
 
 The kernel has three code paths (dot form for 1-4 columns, 8- and 16-wide broadcast blocks,
-partial blocks copied and padded) and row/K tails; the shapes below reach each of them.
+partial blocks copied and padded) and row/K tails; the shapes below reach each of them. The SIMD
+vector width is chosen per ISA at build time, so every numeric test runs the default build and
+builds forced to 16, 32 and 64 bytes (SSE, AVX2 and AVX-512-width code, all runnable here).
 """
 
 from __future__ import annotations
 
+import platform
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from morse_jax.kernels import KernelBuildError, decode_attention, matmul_cols, native, unavailable_reason
+from morse_jax.kernels import KernelBuildError, decode_attention, ensure_registered, matmul_cols, native, \
+    unavailable_reason
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None
                                     and shutil.which("clang++") is None, reason="no C++ compiler on this machine")
+
+
+WIDTHS = [None, 16, 32, 64]  # None: the ISA's width (what the sampler uses)
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +35,25 @@ def kernel():
     return jax.jit(matmul_cols)
 
 
+@pytest.fixture(scope="module", params=WIDTHS, ids=lambda w: f"vec{w or 'isa'}")
+def width(request):
+    """A vector width with both kernels built and registered at it."""
+    if request.param is None:
+        assert unavailable_reason() is None
+    else:
+        ensure_registered(request.param)
+    return request.param
+
+
 @needs_compiler
 @pytest.mark.parametrize("N,K,B", [(1, 1, 1), (7, 5, 1), (64, 576, 1), (13, 17, 2), (9, 33, 3), (40, 48, 4),
                                    (9, 33, 5), (100, 40, 8), (70, 20, 12), (129, 64, 16), (65, 31, 17),
                                    (200, 64, 24), (33, 100, 33), (1000, 576, 16)])
-def test_matches_numpy(kernel, N, K, B):
+def test_matches_numpy(width, N, K, B):
     rng = np.random.default_rng(N * 1000 + K * 10 + B)
     w = rng.normal(size=(N, K)).astype(np.float32)
     x = rng.normal(size=(K, B)).astype(np.float32)
-    got = np.asarray(kernel(w, x))
+    got = np.asarray(jax.jit(lambda w, x: matmul_cols(w, x, vec_bytes=width))(w, x))
     want = w.astype(np.float64) @ x.astype(np.float64)
     assert got.shape == (N, B) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.sqrt(K) * 4)
@@ -92,6 +110,60 @@ def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
     assert native.build.__wrapped__("cpu_matmul") != first  # -march=native: one library per CPU type
 
 
+def test_forced_width_has_its_own_library_and_flags(monkeypatch, tmp_path):
+    """A forced width is its own cache entry, built with the flags that make the compiler's target
+    match it (a stand-in compiler records the command line: no real compile needed)."""
+    log = tmp_path / "cmds"
+    fake = tmp_path / "fake-cxx"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\nfor a; do [ "$prev" = -o ] && : > "$a"; prev=$a; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("MORSE_JAX_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.delenv("MORSE_JAX_KERNEL_VEC_BYTES", raising=False)
+    isa = native.build.__wrapped__("cpu_matmul")
+    forced = {w: native.build.__wrapped__("cpu_matmul", w) for w in (16, 32, 64)}
+    assert len({isa, *forced.values()}) == 4, "every width has its own library"
+    monkeypatch.setenv("MORSE_JAX_KERNEL_VEC_BYTES", "32")
+    assert native.build.__wrapped__("cpu_matmul") == forced[32]  # the switch forces the default build
+    builds = [ln for ln in log.read_text().splitlines() if "cpu_matmul.cc" in ln]
+    assert len(builds) == 4 and "MORSE_VEC_BYTES" not in builds[0]
+    for line, w in zip(builds[1:], (16, 32, 64)):
+        assert f"-DMORSE_VEC_BYTES={w}" in line.split()
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            cap = {16: ["-mno-avx"], 32: ["-mno-avx512f"], 64: []}[w]
+            assert [f for f in line.split() if f.startswith("-mno-")] == cap
+
+
+def isa_vec_bytes() -> int | None:
+    """The width cpu_common.h should pick from -march=native here, read from /proc/cpuinfo
+    (None where that cannot be read: not x86 Linux)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not Path("/proc/cpuinfo").is_file():
+        return None
+    flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("flags")), [])
+    return 64 if "avx512f" in flags else 32 if "avx" in flags else 16
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["cpu_matmul", "decode_attention"])
+def test_vector_width_follows_the_isa_or_the_switch(name):
+    """The default build uses the ISA's widest vectors (AVX-512F: 64 bytes, AVX/AVX2: 32, else 16);
+    a forced width is what the library was compiled with."""
+    want = isa_vec_bytes()
+    if want is not None:
+        assert native.built_vec_bytes(name) == want
+    for w in (16, 32, 64):
+        assert native.built_vec_bytes(name, w) == w
+
+
+def test_bad_vector_width_is_rejected(monkeypatch):
+    with pytest.raises(KernelBuildError, match="must be one of"):
+        native.build.__wrapped__("cpu_matmul", 24)
+    monkeypatch.setenv("MORSE_JAX_KERNEL_VEC_BYTES", "wide")
+    with pytest.raises(KernelBuildError, match="MORSE_JAX_KERNEL_VEC_BYTES='wide'"):
+        native.build.__wrapped__("cpu_matmul")
+
+
 # --------------------------------------------------------------------------- decode attention
 
 
@@ -110,7 +182,7 @@ def attention_reference(q, keys, values, mask, scale):
 @needs_compiler
 @pytest.mark.parametrize("B,K,G,D,S", [(1, 3, 3, 64, 384), (4, 3, 3, 64, 40), (2, 2, 4, 8, 32), (3, 1, 5, 20, 50),
                                        (2, 2, 1, 256, 70), (2, 2, 6, 100, 129), (1, 1, 1, 1, 1)])
-def test_attention_matches_numpy(kernel, B, K, G, D, S):
+def test_attention_matches_numpy(width, B, K, G, D, S):
     """Masks with a left pad, holes (a sliding window, invalid slots) and an unwritten tail; scores
     large enough that the softmax normaliser matters."""
     rng = np.random.default_rng(B * 100 + G * 10 + D)
@@ -124,12 +196,12 @@ def test_attention_matches_numpy(kernel, B, K, G, D, S):
         mask[b, rng.integers(lo, hi, size=S // 10)] = False
         mask[b, hi - 1] = True
     scale = 2.0 / np.sqrt(D)
-    got = np.asarray(jax.jit(decode_attention, static_argnums=4)(q, keys, values, mask, scale))
+    got = np.asarray(jax.jit(lambda *a: decode_attention(*a, scale, vec_bytes=width))(q, keys, values, mask))
     np.testing.assert_allclose(got, attention_reference(q, keys, values, mask, scale), rtol=0, atol=2e-6)
 
 
 @needs_compiler
-def test_attention_ignores_masked_slots_and_zeroes_empty_rows(kernel):
+def test_attention_ignores_masked_slots_and_zeroes_empty_rows(width):
     """Huge values in masked slots do not reach the output, slots past the last valid one are
     never read (NaN there stays out); a row with no valid slot (padding) gives zeros."""
     rng = np.random.default_rng(0)
@@ -139,7 +211,7 @@ def test_attention_ignores_masked_slots_and_zeroes_empty_rows(kernel):
     mask = np.zeros((2, 24), bool)
     mask[0, 3:10] = True
     keys[:2, :, 10:], values[:2, 10:], keys[:2, :, :3], values[:2, :3] = np.nan, np.nan, 1e30, 1e30
-    got = np.asarray(jax.jit(decode_attention, static_argnums=4)(q, keys, values, mask, 0.25))
+    got = np.asarray(jax.jit(lambda *a: decode_attention(*a, 0.25, vec_bytes=width))(q, keys, values, mask))
     np.testing.assert_allclose(got[:2], attention_reference(q[:2], keys[:2, :, 3:10], values[:2, 3:10],
                                                             mask[:1, 3:10], 0.25), atol=2e-6)
     assert not got[2:].any()

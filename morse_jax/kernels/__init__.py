@@ -14,10 +14,11 @@ from morse_jax.kernels.decode_attention import decode_attention
 from morse_jax.kernels.native import KernelBuildError
 
 
-def ensure_registered() -> None:
-    """Build (first use on this machine) and register every kernel; raises ``KernelBuildError``."""
-    cpu_matmul.ensure_registered()
-    _attention.ensure_registered()
+def ensure_registered(vec_bytes: int | None = None) -> None:
+    """Build (first use on this machine) and register every kernel; raises ``KernelBuildError``.
+    ``vec_bytes``: a build forced to that SIMD width (see ``native``), registered alongside."""
+    cpu_matmul.ensure_registered(vec_bytes)
+    _attention.ensure_registered(vec_bytes)
 
 
 def unavailable_reason() -> str | None:

@@ -8,16 +8,41 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace morse {
 
-// GCC/Clang vector extensions: -march=native lowers them to AVX-512, AVX2 or NEON.
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+// GCC/Clang vector extensions, one width per build: the widest the target ISA holds in a register.
+// A vector wider than the ISA's registers is legal but GCC splits it and moves the halves through
+// the stack on every iteration (a 64-byte type on AVX2: 8x slower, see kernels/probe.py), so the
+// width follows the compiler's target macros. native.py may force it (-DMORSE_VEC_BYTES=N together
+// with -mno-avx512f / -mno-avx) to build and test every width on one machine.
+#ifndef MORSE_VEC_BYTES
+#if defined(__AVX512F__)
+#define MORSE_VEC_BYTES 64
+#elif defined(__AVX__)
+#define MORSE_VEC_BYTES 32
+#else
+#define MORSE_VEC_BYTES 16  // SSE, NEON, anything else
+#endif
+#endif
+static_assert(MORSE_VEC_BYTES == 16 || MORSE_VEC_BYTES == 32 || MORSE_VEC_BYTES == 64,
+              "MORSE_VEC_BYTES must be 16, 32 or 64");
+
+constexpr int kLanes = MORSE_VEC_BYTES / 4;  // floats per vector
+// Vector registers the ISA names (AVX-512: 32, AVX/SSE: 16); kernels keep at most half of them
+// as accumulators so loads and broadcasts never spill.
+constexpr int kMaxAcc = MORSE_VEC_BYTES == 64 ? 16 : 8;
+
+template <int N>  // a vector of N floats (N <= kLanes in the kernels: one register)
+struct Vec {
+  typedef float type __attribute__((vector_size(4 * N)));
+};
+typedef Vec<kLanes>::type vf;
+typedef int32_t vi __attribute__((vector_size(MORSE_VEC_BYTES)));
 
 template <typename V>
 inline V load(const float* p) {
@@ -38,38 +63,38 @@ inline void store_partial(float* p, V v, int64_t n) {
   std::memcpy(p, &v, n * sizeof(float));
 }
 
-inline float hsum(v16 v) {
+inline float hsum(vf v) {
   float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
+  for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
 }
 
-inline float hmax(v16 v) {
+inline float hmax(vf v) {
   float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
   return m;
 }
 
 // exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), r = x - n ln 2 in
 // [-ln2/2, ln2/2], degree-6 polynomial, relative error ~2e-7; inputs below -87 give 0.
-inline v16 exp_nonpositive(v16 x) {
-  const v16 lo = v16{} - 87.0f;
+inline vf exp_nonpositive(vf x) {
+  const vf lo = vf{} - 87.0f;
   x = x < lo ? lo : x;  // per-lane select
   // round to nearest: adding 1.5 * 2^23 pushes the fraction out of the mantissa
-  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const v16 r = x - n * 0.693145751953125f - n * 1.428606765330187045e-6f;
-  v16 p = v16{} + 1.0f / 720;
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const vf r = x - n * 0.693145751953125f - n * 1.428606765330187045e-6f;
+  vf p = vf{} + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
   p = p * r + 1.0f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const i16 e = (__builtin_convertvector(n, i16) + 127) << 23;
-  v16 scale;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
   std::memcpy(&scale, &e, sizeof(scale));
-  v16 out = p * scale;
-  return x <= lo ? v16{} : out;
+  vf out = p * scale;
+  return x <= lo ? vf{} : out;
 }
 
 // Runs fn(part) for part in [0, parts) on the calling thread and XLA's intra-op pool. Parts
@@ -98,5 +123,9 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t parts, Fn fn) {
 }
 
 }  // namespace morse
+
+// The vector width this library was built with (tests check a forced width took effect). Defined
+// here, not inline: every kernel library is one translation unit including this header once.
+extern "C" __attribute__((visibility("default"))) int MorseVecBytes() { return MORSE_VEC_BYTES; }
 
 #endif  // MORSE_JAX_KERNELS_CPU_COMMON_H_

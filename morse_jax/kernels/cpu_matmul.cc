@@ -10,8 +10,10 @@
 //  * B >  4, "broadcast" form: 8 rows at a time; each W[n, k] is broadcast against the row
 //    X[k, c0:c0 + C] of a C = 8 or 16 column block, so the accumulators are whole output rows.
 //
-// Written with GCC/Clang vector extensions rather than intrinsics: -march=native turns them into
-// AVX-512, AVX2 or NEON as the machine has. Built at first use by morse_jax/kernels/native.py.
+// Written with GCC/Clang vector extensions rather than intrinsics, at the width of the target ISA
+// (cpu_common.h: 64 bytes with AVX-512, 32 with AVX/AVX2, 16 otherwise); register blocks are sized
+// in vectors so that the accumulators fit the register file at every width. Built at first use
+// by morse_jax/kernels/native.py.
 
 #include <vector>
 
@@ -19,10 +21,11 @@
 
 namespace ffi = xla::ffi;
 using morse::hsum;
+using morse::kLanes;
+using morse::kMaxAcc;
 using morse::load;
 using morse::load_partial;
-using morse::v16;
-using morse::v8;
+using morse::vf;
 
 namespace {
 
@@ -34,63 +37,75 @@ namespace {
 // independent accumulators per column keep the FMAs from waiting on one another.
 template <int B, int U>
 void dot_rows(const float* W, const float* xt, float* out, int64_t n0, int64_t n1, int64_t K, int64_t Kp) {
-  const int64_t KU = K / (16 * U) * (16 * U);
+  constexpr int64_t step = int64_t{kLanes} * U;
+  const int64_t KU = K / step * step;
   for (int64_t n = n0; n < n1; ++n) {
-    v16 acc[U][B] = {};
+    vf acc[U][B] = {};
     const float* w = W + n * K;
     int64_t k = 0;
-    for (; k < KU; k += 16 * U) {
+    for (; k < KU; k += step) {
       for (int u = 0; u < U; ++u) {
-        const v16 wr = load<v16>(w + k + 16 * u);
-        for (int b = 0; b < B; ++b) acc[u][b] += wr * load<v16>(xt + b * Kp + k + 16 * u);
+        const vf wr = load<vf>(w + k + kLanes * u);
+        for (int b = 0; b < B; ++b) acc[u][b] += wr * load<vf>(xt + b * Kp + k + kLanes * u);
       }
     }
-    for (; k < K; k += 16) {
-      const v16 wr = K - k >= 16 ? load<v16>(w + k) : load_partial<v16>(w + k, K - k);
-      for (int b = 0; b < B; ++b) acc[0][b] += wr * load<v16>(xt + b * Kp + k);
+    for (; k < K; k += kLanes) {  // xt is zero past K up to Kp, a multiple of every width
+      const vf wr = K - k >= kLanes ? load<vf>(w + k) : load_partial<vf>(w + k, K - k);
+      for (int b = 0; b < B; ++b) acc[0][b] += wr * load<vf>(xt + b * Kp + k);
     }
     for (int b = 0; b < B; ++b) {
-      v16 t = acc[0][b];
+      vf t = acc[0][b];
       for (int u = 1; u < U; ++u) t += acc[u][b];
       out[n * B + b] = hsum(t);
     }
   }
 }
 
+// U: 16 floats per step at one column, 32 at more (measured with 64-byte vectors), in vectors of
+// this build's width, at most kMaxAcc accumulators.
 template <int B>
 void dot_form(const float* W, const float* xt, float* out, int64_t n0, int64_t n1, int64_t K, int64_t Kp) {
-  dot_rows<B, (B == 1 ? 1 : 2)>(W, xt, out, n0, n1, K, Kp);
+  constexpr int floats = B == 1 ? 16 : 32;
+  constexpr int U = std::max(1, std::min(floats / kLanes, kMaxAcc / B));
+  dot_rows<B, U>(W, xt, out, n0, n1, K, Kp);
 }
 
 // ------------------------------------------------------------------ broadcast form (B > 4)
 
-// Rows [n0, n1) of W against columns [c0, c0 + nc) of X. x points at X[0, c0] with row stride
-// ldx (B, or C for a zero-padded copy of a partial block).
-template <typename V, int R>
+// Rows [n0, n1) of W against columns [c0, c0 + nc) of a C-column block (C = 8 or 16, nc <= C).
+// x points at X[0, c0] with row stride ldx (B, or C for a zero-padded copy of a partial block).
+// Each output row's C columns are M vectors of C / M lanes; R rows at a time keep R * M
+// accumulators (8 rows with 64-byte vectors, fewer at smaller widths so none spill).
+template <int C>
 void bcast_rows(const float* W, const float* x, int64_t ldx, float* out, int64_t n0, int64_t n1, int64_t K,
                 int64_t B, int64_t c0, int64_t nc) {
-  constexpr int64_t C = sizeof(V) / sizeof(float);
+  constexpr int lanes = std::min(C, kLanes), M = C / lanes, R = std::min(8, kMaxAcc / M);
+  using V = typename morse::Vec<lanes>::type;
   int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    V acc[R] = {};
+  auto rows = [&](auto r_const) {
+    constexpr int RR = decltype(r_const)::value;
+    V acc[RR][M] = {};
     const float* w = W + n * K;
     for (int64_t k = 0; k < K; ++k) {
       // one line of each row of the next block per 16 k: R short row streams are more than
       // the hardware prefetcher follows (B = 16: 1.2x faster with it)
       if ((k & 15) == 0)
-        for (int r = 0; r < R; ++r) __builtin_prefetch(w + (r + R) * K + k);
-      const V xk = load<V>(x + k * ldx);
-      for (int r = 0; r < R; ++r) acc[r] += xk * w[r * K + k];
-    }
-    for (int r = 0; r < R; ++r) {
-      if (nc == C) {
-        std::memcpy(out + (n + r) * B + c0, &acc[r], sizeof(V));
-      } else {
-        std::memcpy(out + (n + r) * B + c0, &acc[r], nc * sizeof(float));
+        for (int r = 0; r < RR; ++r) __builtin_prefetch(w + (r + RR) * K + k);
+      V xk[M];
+      for (int m = 0; m < M; ++m) xk[m] = load<V>(x + k * ldx + m * lanes);
+      for (int r = 0; r < RR; ++r) {
+        const float wk = w[r * K + k];
+        for (int m = 0; m < M; ++m) acc[r][m] += xk[m] * wk;
       }
     }
-  }
-  if (n < n1) bcast_rows<V, 1>(W, x, ldx, out, n, n1, K, B, c0, nc);
+    for (int r = 0; r < RR; ++r) {
+      float row[C];
+      std::memcpy(row, acc[r], sizeof(row));
+      std::memcpy(out + (n + r) * B + c0, row, nc * sizeof(float));
+    }
+  };
+  for (; n + R <= n1; n += R) rows(std::integral_constant<int, R>{});
+  for (; n < n1; ++n) rows(std::integral_constant<int, 1>{});
 }
 
 // ------------------------------------------------------------------ one call
@@ -142,9 +157,9 @@ struct Job {
       const float* x = in_place ? X + c0 : scratch.data() + block_off[i];
       const int64_t ldx = in_place ? B : block_ld[i];
       if (nc <= 8) {
-        bcast_rows<v8, 8>(W, x, ldx, out, n0, n1, K, B, c0, nc);
+        bcast_rows<8>(W, x, ldx, out, n0, n1, K, B, c0, nc);
       } else {
-        bcast_rows<v16, 8>(W, x, ldx, out, n0, n1, K, B, c0, nc);
+        bcast_rows<16>(W, x, ldx, out, n0, n1, K, B, c0, nc);
       }
     }
   }

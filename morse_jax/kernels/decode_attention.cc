@@ -20,50 +20,54 @@
 #include "cpu_common.h"
 
 namespace ffi = xla::ffi;
-using morse::v16;
+using morse::kLanes;
+using morse::vf;
 
 namespace {
 
-constexpr int64_t kBlock = 64;  // lanes per register block (4 vectors of 16)
+// Vectors per register block: up to 4 heads x kVecs accumulators stay within morse::kMaxAcc
+// (4 x 4 with AVX-512's 32 registers, 4 x 2 with 16), so kBlock is 64 slots with AVX-512.
+constexpr int kVecs = morse::kMaxAcc / 4;
+constexpr int64_t kBlock = int64_t{kVecs} * kLanes;  // lanes per register block
 constexpr int kRows = 64;        // key rows (head-dim entries) per pass over the slots (8: 1.4x slower)
 
-// Loads lanes [s, s + n) of a row into 4 vectors (n <= 64; missing lanes zero).
-inline void load_block(const float* p, int64_t n, v16 out[4]) {
-  for (int j = 0; j < 4; ++j) {
-    const int64_t m = std::clamp<int64_t>(n - 16 * j, 0, 16);
-    out[j] = m == 16 ? morse::load<v16>(p + 16 * j) : morse::load_partial<v16>(p + 16 * j, m);
+// Loads lanes [s, s + n) of a row into kVecs vectors (n <= kBlock; missing lanes zero).
+inline void load_block(const float* p, int64_t n, vf out[kVecs]) {
+  for (int j = 0; j < kVecs; ++j) {
+    const int64_t m = std::clamp<int64_t>(n - kLanes * j, 0, kLanes);
+    out[j] = m == kLanes ? morse::load<vf>(p + kLanes * j) : morse::load_partial<vf>(p + kLanes * j, m);
   }
 }
 
-inline void store_block(float* p, int64_t n, const v16 in[4]) {
-  for (int j = 0; j < 4; ++j) {
-    const int64_t m = std::clamp<int64_t>(n - 16 * j, 0, 16);
-    if (m > 0) morse::store_partial(p + 16 * j, in[j], m);
+inline void store_block(float* p, int64_t n, const vf in[kVecs]) {
+  for (int j = 0; j < kVecs; ++j) {
+    const int64_t m = std::clamp<int64_t>(n - kLanes * j, 0, kLanes);
+    if (m > 0) morse::store_partial(p + kLanes * j, in[j], m);
   }
 }
 
 // scores[g, s] (+)= sum_{d in [d0, d0 + rows)} q[g, d] * keys[d, s] for g in [g0, g0 + GB), s < hi;
-// q is pre-scaled. GB x 4 independent accumulators: the FMAs pipeline instead of waiting on one
+// q is pre-scaled. GB x kVecs independent accumulators: the FMAs pipeline instead of waiting on one
 // another, and every key vector loaded serves all GB heads.
 template <int GB>
 void scores_block(const float* q, const float* keys, float* scores, int64_t ld, int64_t g0, int64_t d0, int rows,
                   int64_t D, int64_t S, int64_t hi) {
   for (int64_t s0 = 0; s0 < hi; s0 += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, hi - s0);
-    v16 acc[GB][4];
+    vf acc[GB][kVecs];
     for (int g = 0; g < GB; ++g) {
       if (d0 == 0) {
-        for (int j = 0; j < 4; ++j) acc[g][j] = v16{};
+        for (int j = 0; j < kVecs; ++j) acc[g][j] = vf{};
       } else {
         load_block(scores + (g0 + g) * ld + s0, n, acc[g]);
       }
     }
     for (int r = 0; r < rows; ++r) {
-      v16 k[4];
+      vf k[kVecs];
       load_block(keys + (d0 + r) * S + s0, n, k);
       for (int g = 0; g < GB; ++g) {
         const float qd = q[(g0 + g) * D + d0 + r];
-        for (int j = 0; j < 4; ++j) acc[g][j] += k[j] * qd;
+        for (int j = 0; j < kVecs; ++j) acc[g][j] += k[j] * qd;
       }
     }
     for (int g = 0; g < GB; ++g) store_block(scores + (g0 + g) * ld + s0, n, acc[g]);
@@ -87,19 +91,19 @@ void scores_rows(const float* q, const float* keys, float* scores, int64_t ld, i
   }
 }
 
-// out[g, :] = sum_s p[g, s] * vals[s, :] for g in [g0, g0 + GB); D handled 64 lanes at a time
+// out[g, :] = sum_s p[g, s] * vals[s, :] for g in [g0, g0 + GB); D handled kBlock lanes at a time
 template <int GB>
 void values_block(const float* p, int64_t ld, const float* vals, float* out, int64_t g0, int64_t D, int64_t hi) {
   for (int64_t d0 = 0; d0 < D; d0 += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, D - d0);
-    const int nv = static_cast<int>((n + 15) / 16);
-    v16 acc[GB][4] = {};
+    const int nv = static_cast<int>((n + kLanes - 1) / kLanes);
+    vf acc[GB][kVecs] = {};
     for (int64_t s = 0; s < hi; ++s) {
       const float* v = vals + s * D + d0;
-      v16 vv[4];
+      vf vv[kVecs];
       for (int j = 0; j < nv; ++j) {
-        const int64_t m = std::min<int64_t>(16, n - 16 * j);
-        vv[j] = m == 16 ? morse::load<v16>(v + 16 * j) : morse::load_partial<v16>(v + 16 * j, m);
+        const int64_t m = std::min<int64_t>(kLanes, n - kLanes * j);
+        vv[j] = m == kLanes ? morse::load<vf>(v + kLanes * j) : morse::load_partial<vf>(v + kLanes * j, m);
       }
       for (int g = 0; g < GB; ++g) {
         const float pg = p[(g0 + g) * ld + s];
@@ -108,23 +112,24 @@ void values_block(const float* p, int64_t ld, const float* vals, float* out, int
     }
     for (int g = 0; g < GB; ++g)
       for (int j = 0; j < nv; ++j)
-        morse::store_partial(out + (g0 + g) * D + d0 + 16 * j, acc[g][j], std::min<int64_t>(16, n - 16 * j));
+        morse::store_partial(out + (g0 + g) * D + d0 + kLanes * j, acc[g][j],
+                             std::min<int64_t>(kLanes, n - kLanes * j));
   }
 }
 
 // Softmax of one row of scores in place; bias [hi] is 0 at valid slots and -inf elsewhere
-// (zero-padded to a multiple of 16 lanes, like row).
+// (zero-padded to a multiple of 16 lanes, like row: whole vectors at every width).
 void softmax_row(float* row, const float* bias, int64_t hi) {
   const int64_t h16 = (hi + 15) & ~int64_t{15};
-  v16 vmax = v16{} - INFINITY;
-  for (int64_t s = 0; s < h16; s += 16) {
-    const v16 x = morse::load<v16>(row + s) + morse::load<v16>(bias + s);
+  vf vmax = vf{} - INFINITY;
+  for (int64_t s = 0; s < h16; s += kLanes) {
+    const vf x = morse::load<vf>(row + s) + morse::load<vf>(bias + s);
     vmax = x > vmax ? x : vmax;
   }
   const float mx = morse::hmax(vmax);
-  v16 vsum = {};
-  for (int64_t s = 0; s < h16; s += 16) {
-    const v16 e = morse::exp_nonpositive(morse::load<v16>(row + s) + morse::load<v16>(bias + s) - mx);
+  vf vsum = {};
+  for (int64_t s = 0; s < h16; s += kLanes) {
+    const vf e = morse::exp_nonpositive(morse::load<vf>(row + s) + morse::load<vf>(bias + s) - mx);
     vsum += e;
     std::memcpy(row + s, &e, sizeof(e));
   }

@@ -18,12 +18,14 @@ from morse_jax.kernels import native
 TARGET = "morse_decode_attention"
 
 
-def ensure_registered() -> None:
-    """Build (first use on this machine) and register the kernel; raises ``KernelBuildError``."""
-    native.register("decode_attention", "MorseDecodeAttention", TARGET)
+def ensure_registered(vec_bytes: int | None = None) -> None:
+    """Build (first use on this machine) and register the kernel; raises ``KernelBuildError``.
+    ``vec_bytes`` forces the SIMD width (``native.build``; tests, benchmarks)."""
+    native.register("decode_attention", "MorseDecodeAttention", TARGET, vec_bytes)
 
 
-def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, scale: float, *,
+                     vec_bytes: int | None = None) -> jax.Array:
     """Attention of one new token per row.
 
     Args:
@@ -33,7 +35,8 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
     Returns:
       float32[B*K, G, D]. A row whose mask is all False (padding) gets zeros.
 
-    Call ``morse_jax.kernels.ensure_registered()`` first (once per process).
+    Call ``morse_jax.kernels.ensure_registered()`` first (once per process); with ``vec_bytes``
+    (the build forced to that SIMD width), ``decode_attention.ensure_registered(vec_bytes)``.
     """
     N, G, D = q.shape
     B, S = mask.shape
@@ -44,4 +47,5 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
         raise ValueError(f"decode_attention: float32 q/keys/values and a bool mask, got "
                          f"{q.dtype}, {keys.dtype}, {values.dtype}, {mask.dtype}")
     out = jax.ShapeDtypeStruct((N, G, D), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(q, keys, values, mask, scale=np.float32(scale))
+    return jax.ffi.ffi_call(native.target_name(TARGET, vec_bytes), out)(q, keys, values, mask,
+                                                                        scale=np.float32(scale))

@@ -6,10 +6,18 @@ The library is built with ``-march=native``, so the cache key covers the source 
 flags, compiler, the CPU's model and feature flags, and the jax and jaxlib versions: a home
 directory shared between different machines gets one library per machine type.
 
+The kernels' SIMD vector width follows the target ISA (``cpu_common.h``: 64 bytes with
+AVX-512F, 32 with AVX/AVX2, 16 otherwise). A width can be forced, to test every width's code on
+one machine or to measure what an AVX2-only host would get: 32 builds with ``-mno-avx512f``
+(AVX2 code), 16 with ``-mno-avx`` (SSE code) on x86-64; 64 adds nothing (on an AVX2 host that
+is the old, spilling build). The forced width is part of the cache key.
+
 Switches (environment):
   ``MORSE_JAX_KERNEL_CACHE``  cache directory (default ``$XDG_CACHE_HOME/morse_jax/kernels``,
                               i.e. ``~/.cache/morse_jax/kernels``).
   ``CXX``                     C++ compiler (default: the first of g++, c++, clang++ on PATH).
+  ``MORSE_JAX_KERNEL_VEC_BYTES``  force the vector width of the default build: 16, 32 or 64
+                              (default: the ISA's; the ``vec_bytes`` arguments below override it).
 
 Every failure (no compiler, a compile error, a missing symbol) raises :class:`KernelBuildError`
 with the compiler's output; callers decide whether that is fatal (``sampler.cpu_kernels``).
@@ -32,6 +40,10 @@ from pathlib import Path
 log = logging.getLogger("morse_jax.kernels")
 SOURCE_DIR = Path(__file__).resolve().parent
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+VEC_BYTES = (16, 32, 64)
+_X86 = ("x86_64", "amd64", "i386", "i686")
+# what a forced width turns off on x86-64, so that the compiler's target matches the width
+_X86_CAP = {16: ("-mno-avx",), 32: ("-mno-avx512f",), 64: ()}
 
 
 class KernelBuildError(RuntimeError):
@@ -82,22 +94,48 @@ def _compiler_version(cxx: str) -> str:
         raise KernelBuildError(f"cannot run the C++ compiler {cxx}: {e}") from e
 
 
+def forced_vec_bytes(vec_bytes: int | None = None) -> int | None:
+    """The forced vector width: ``vec_bytes`` if given, else ``MORSE_JAX_KERNEL_VEC_BYTES``, else
+    None (the ISA's width). Raises ``KernelBuildError`` for another value."""
+    if vec_bytes is None and os.environ.get("MORSE_JAX_KERNEL_VEC_BYTES"):
+        raw = os.environ["MORSE_JAX_KERNEL_VEC_BYTES"]
+        try:
+            vec_bytes = int(raw)
+        except ValueError:
+            raise KernelBuildError(f"MORSE_JAX_KERNEL_VEC_BYTES={raw!r}: must be 16, 32 or 64") from None
+    if vec_bytes is not None and vec_bytes not in VEC_BYTES:
+        raise KernelBuildError(f"vector width {vec_bytes!r} bytes: must be one of {VEC_BYTES}")
+    return vec_bytes
+
+
+def width_flags(vec_bytes: int | None) -> tuple[str, ...]:
+    """Compiler flags for a forced width (none for the ISA's own)."""
+    if vec_bytes is None:
+        return ()
+    cap = _X86_CAP[vec_bytes] if platform.machine().lower() in _X86 else ()
+    return (*cap, f"-DMORSE_VEC_BYTES={vec_bytes}")
+
+
 @functools.cache
-def build(name: str) -> Path:
-    """Compile ``<name>.cc`` from this directory (cached); returns the shared library's path."""
+def build(name: str, vec_bytes: int | None = None) -> Path:
+    """Compile ``<name>.cc`` from this directory (cached); returns the shared library's path.
+
+    ``vec_bytes``: force the SIMD width (16, 32 or 64; None: ``MORSE_JAX_KERNEL_VEC_BYTES`` or
+    the ISA's)."""
     import jax
     import jax.ffi
 
+    flags = (*FLAGS, *width_flags(forced_vec_bytes(vec_bytes)))
     source = SOURCE_DIR / f"{name}.cc"
     if not source.is_file():
         raise KernelBuildError(f"no kernel source {source}")
     cxx = compiler()
     include = jax.ffi.include_dir()
     headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), _compiler_version(cxx),
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), _compiler_version(cxx),
                                     _cpu_signature(), jax.__version__, _jaxlib_version(),
                                     platform.machine()]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"{name}-{key}.so"
+    out = cache_dir() / f"{name}-{key}.so"  # flags (the forced width) are in the key
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +143,7 @@ def build(name: str) -> Path:
     # launchers on a shared home) never load a half-written library.
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{include}", f"-I{SOURCE_DIR}", str(source), "-o", tmp]
+    cmd = [cxx, *flags, f"-I{include}", f"-I{SOURCE_DIR}", str(source), "-o", tmp]
     log.info("building native kernel %s -> %s (once per machine and source version)", source.name, out)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -120,16 +158,32 @@ def build(name: str) -> Path:
     return out
 
 
-@functools.cache
-def register(name: str, symbol: str, target: str) -> None:
-    """Build ``name``, load it and register its FFI handler ``symbol`` as the CPU custom call
-    ``target`` (once per process)."""
-    import jax.ffi
-
-    path = build(name)
+def _load(name: str, vec_bytes: int | None, symbol: str):
+    path = build(name, vec_bytes)
     try:
-        lib = ctypes.CDLL(str(path))
-        handler = getattr(lib, symbol)
+        return getattr(ctypes.CDLL(str(path)), symbol)
     except (OSError, AttributeError) as e:
         raise KernelBuildError(f"loading {path} ({symbol}) failed: {e}") from e
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+
+
+def target_name(target: str, vec_bytes: int | None) -> str:
+    """The custom-call name of a kernel built at a forced width (``target`` itself for the default
+    build), so that one process can hold the same kernel at several widths."""
+    return target if vec_bytes is None else f"{target}_v{vec_bytes}"
+
+
+@functools.cache
+def register(name: str, symbol: str, target: str, vec_bytes: int | None = None) -> None:
+    """Build ``name``, load it and register its FFI handler ``symbol`` as the CPU custom call
+    ``target_name(target, vec_bytes)`` (once per process)."""
+    import jax.ffi
+
+    handler = _load(name, vec_bytes, symbol)
+    jax.ffi.register_ffi_target(target_name(target, vec_bytes), jax.ffi.pycapsule(handler), platform="cpu")
+
+
+def built_vec_bytes(name: str, vec_bytes: int | None = None) -> int:
+    """The vector width (bytes) the library of ``name`` was compiled with (``MorseVecBytes``)."""
+    fn = _load(name, vec_bytes, "MorseVecBytes")
+    fn.restype = ctypes.c_int
+    return int(fn())

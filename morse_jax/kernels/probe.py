@@ -6,10 +6,11 @@ source, built with ``-march=native``, can lose badly: on a 2-core AMD EPYC (znve
 AVX-512) it ran at 1-2 GFLOP/s against XLA's 15-50, which made the sampler several times slower
 than transformers. The cause is the kernels' 64-byte vector-extension type (``v16``): without
 AVX-512, GCC 12 splits it into ymm halves and moves them through the stack on every iteration
-(a standalone 1536x576 dot loop: 0.8 GFLOP/s with 64-byte vectors, 6.5 with 32-byte ones). The
-lasting fix is a vector width chosen per instruction set; until then the probe keeps the
-sampler on XLA where the kernels lose. ``sampler.cpu_kernels="auto"`` therefore uses the kernels only where this
-probe finds them faster; "on" still forces them.
+(a standalone 1536x576 dot loop: 0.8 GFLOP/s with 64-byte vectors, 6.5 with 32-byte ones).
+The width is now chosen per instruction set at build time (``cpu_common.h``: 32 bytes on AVX2);
+the probe stays as the guard for machines where the kernels still lose to XLA's dot.
+``sampler.cpu_kernels="auto"`` uses the kernels only where this probe finds them faster; "on"
+still forces them.
 
 The probe times both on one weight shape of the model (the widest decode projection) at 1 and
 16 columns, interleaved, best of a few calls each (the best is the least disturbed by other

@@ -14,8 +14,9 @@ join node (>= 2 parents) first gets a merge call, its execute call comes in a la
 parent gives the parent's artifact as context, none gives ''. Every artifact is verified by its
 family (concurrently, in a bounded thread pool: verifiers run sandboxed subprocesses; when
 ``generate_fn`` accepts the keyword ``on_ready`` -- called as ``on_ready(indices, completions)``
-for each finished micro-batch, like ``Sampler.generate`` -- those candidates verify while the rest
-generate, with the same results as verifying after generation: ``tomas.verification``). The best
+for each finished micro-batch from the calling thread, like ``Sampler.generate`` -- those
+candidates verify while the rest generate, with the same results as verifying after generation:
+``tomas.verification``). The best
 gate-passing candidate (highest reward, ties -> first in (route, candidate) order) is what
 propagates; when none passes, the call is regenerated in the next wave with the verifier's
 diagnostic, at most ``max_attempts`` times per call role (``eval_max_attempts`` in eval mode),

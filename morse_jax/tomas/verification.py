@@ -43,9 +43,12 @@ VerifyFn = Callable[[int, str], tuple[VerifyResult, bool]]
 
 
 def verify_threads(workers: int) -> int:
-    """Threads for ``OrchestratorConfig.verify_workers`` (0 = one per CPU: sandbox timeouts are
-    wall-clock, so more runs than CPUs would make honest programs time out)."""
-    return workers if workers > 0 else (os.cpu_count() or 1)
+    """Threads for ``OrchestratorConfig.verify_workers`` (0 = one per CPU this process may use:
+    sandbox timeouts are wall-clock, so more runs than CPUs would make honest programs time out)."""
+    if workers > 0:
+        return workers
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return len(usable) if usable else (os.cpu_count() or 1)
 
 
 class WaveVerification:

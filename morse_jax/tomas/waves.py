@@ -6,9 +6,9 @@ in a later wave. :class:`WaveRunner` lays out each call's grid of candidates (ro
 ``route_fn`` call for the wave, active expert sets), builds the prompts, generates every
 candidate of the wave in one ``generate`` call, extracts and verifies the artifacts (in a bounded
 thread pool, overlapped with the generation of the wave's later micro-batches:
-:mod:`morse_jax.tomas.verification`), and :func:`settle` records each call: the best gate-passing candidate
-propagates, or the call is retried with the verifier's diagnostic, or the node fails and its
-descendants are blocked.
+:mod:`morse_jax.tomas.verification`), and :func:`settle` records each call: the best
+gate-passing candidate propagates, or the call is retried with the verifier's diagnostic, or the
+node fails and its descendants are blocked.
 
 Split out of :mod:`morse_jax.tomas.orchestrator` (one concept per module), whose docstring
 describes the rules; this module holds the machinery.

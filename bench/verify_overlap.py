@@ -13,6 +13,11 @@ rest (host work plus the verification not hidden behind sampling), and the verif
 (summed over threads). Medians over ``--reps``; ratio = after / overlapped wall time, per
 repetition (both runs back to back) and its median.
 
+Measured (2 shared cores, load 6-9; ``--reps 5 --set rollout.max_new_tokens=48``): rewards
+identical in every run; rest (outside generation) 16.5 s median after vs 12.5 s overlapped,
+generate 132.5 vs 146.0 s (the sandbox runs compete with the CPU sampler for the two cores); wall
+0.93x, per pair 0.81, 1.46, 1.13, 0.93, 0.76: within the noise, no gain measurable here.
+
 Usage:  python bench/verify_overlap.py [--reps 3] [--variant D] [--config configs/learn_cpu.py]
         [--set rollout.max_new_tokens=96 ...] [--workers 0]
 """

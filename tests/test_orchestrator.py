@@ -162,7 +162,7 @@ def test_train_wave_sizes_and_progress():
 def test_verifications_of_a_wave_run_concurrently():
     barrier = threading.Barrier(2, timeout=5)
     h = Harness()
-    orch = h.orchestrator(FakeFamily(barrier=barrier), mode="eval", raise_verifier_errors=True)
+    orch = h.orchestrator(FakeFamily(barrier=barrier), mode="eval", raise_verifier_errors=True, verify_workers=2)
     # the two root artifacts of wave 1 can only pass the barrier if verified at the same time
     plan = Plan((PlanNode("a", "A", "do a"), PlanNode("b", "B", "do b")))
     res = orch.run([task("T1", plan)])

@@ -259,7 +259,11 @@ def test_micro_batches_keep_request_order(tiny):
     sets = SETS + SETS[1:3]
     reqs = [Request(p, expert_ids=[e for e, _ in s], expert_weights=[x for _, x in s], temperature=0.0,
                     max_new_tokens=m) for p, s, m in zip(ps, sets, (8, 3, 8, 6, 16, 8, 1))]
-    together = sampler.generate(bank, reqs, key=jax.random.PRNGKey(0))
+    ready: list[tuple[list[int], list]] = []
+    together = sampler.generate(bank, reqs, key=jax.random.PRNGKey(0), on_ready=lambda i, c: ready.append((i, c)))
+    # on_ready: each micro-batch once, shortest prompts first, the very completions returned
+    assert [sorted(i) for i, _ in ready] == [[1, 3, 4, 6], [0, 2, 5]]
+    assert all(c is together[j] for i, cs in ready for j, c in zip(i, cs))
     alone = [sampler.generate(bank, [r], key=jax.random.PRNGKey(0))[0] for r in reqs]
     for r, (x, y) in enumerate(zip(together, alone)):
         assert x.prompt_len == lens[r] and len(x.token_ids) == reqs[r].max_new_tokens

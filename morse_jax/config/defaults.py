@@ -87,6 +87,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.planner_prefix = '{"nodes": ['  # the planner's answer starts here ("" = free-form)
     c.rollout.answer_prefix = True  # families may start answers (SciCode: the step's function header)
     c.rollout.heal_answer_prefix = True  # token healing: drop the prompt's last token, first token re-writes it
+    # sandboxed verifications in flight at once (0 = one per CPU: sandbox timeouts are wall-clock)
+    c.rollout.verify_workers = 0
+    # verify each sampler micro-batch while the next generates (False: after the wave's generation)
+    c.rollout.verify_overlap = True
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 100  # HGRPO steps (each rolls out data.tasks_per_step tasks)

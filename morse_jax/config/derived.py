@@ -128,7 +128,8 @@ def orchestrator_config(cfg, mode: str, *, stop_token_ids=(), stop_strings=(),
         stop_token_ids=tuple(stop_token_ids), stop_strings=tuple(stop_strings), min_nodes=r.min_nodes,
         max_nodes=r.max_nodes,
         max_replans=r.max_replans, planner_prefix=r.planner_prefix, answer_prefix=r.answer_prefix,
-        heal_answer_prefix=r.heal_answer_prefix, seed=cfg.seed)
+        heal_answer_prefix=r.heal_answer_prefix, verify_workers=r.verify_workers,
+        verify_overlap=r.verify_overlap, seed=cfg.seed)
 
 
 # --------------------------------------------------------------------------- MoRAgent (config.system="moragent")

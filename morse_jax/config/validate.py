@@ -110,6 +110,8 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
     for name in ("temperature", "eval_temperature"):
         if cfg.rollout[name] < 0:
             raise ConfigError(f"config.rollout.{name}: must be >= 0, got {cfg.rollout[name]}")
+    if cfg.rollout.verify_workers < 0:
+        raise ConfigError(f"config.rollout.verify_workers: must be >= 0 (0 = one per CPU), got {cfg.rollout.verify_workers}")
     if cfg.rollout.min_nodes > cfg.rollout.max_nodes:
         raise ConfigError(f"config.rollout.min_nodes: {cfg.rollout.min_nodes} exceeds "
                           f"config.rollout.max_nodes={cfg.rollout.max_nodes}")

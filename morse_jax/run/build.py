@@ -166,13 +166,14 @@ class Job:
     def encode(self, messages) -> list[int]:
         return encode_chat(self.backbone.tokenizer, messages)
 
-    def generate(self, requests):
+    def generate(self, requests, on_ready=None):
         if kill_at("sampling", self.train_step):
             kill_now()
         bank = self.trainable["bank"] if self.trainable is not None else None
         bar = tqdm(total=len(requests), desc="generate", unit="call", leave=False, disable=None)
-        try:
-            return self.sampler.generate(bank, requests, key=self.next_key(), progress=bar.update)
+        try:  # on_ready: the orchestrator verifies each finished micro-batch while the next generates
+            return self.sampler.generate(bank, requests, key=self.next_key(), progress=bar.update,
+                                         on_ready=on_ready)
         finally:
             bar.close()
 

@@ -181,8 +181,14 @@ class Sampler:
 
     # ------------------------------------------------------------------ host side
 
-    def generate(self, bank, requests: Sequence[Request], *, key: jax.Array, progress=None) -> list[Completion]:
-        """Generate for every request; returns completions in request order."""
+    def generate(self, bank, requests: Sequence[Request], *, key: jax.Array, progress=None,
+                 on_ready=None) -> list[Completion]:
+        """Generate for every request; returns completions in request order.
+
+        ``on_ready(indices, completions)``: called after each micro-batch with the request indices
+        it finished and their completions (the objects returned at the end), so a caller can start
+        on them (the orchestrator verifies them) while the next micro-batch generates.
+        """
         if not requests:
             return []
         num_roles = self.role_adapter.num_roles if self.role_adapter is not None else 0
@@ -199,6 +205,8 @@ class Sampler:
                                          [heals[i] for i in idx])
             for i, c in zip(idx, batch):
                 out[i] = c
+            if on_ready is not None:
+                on_ready(list(idx), batch)
             if progress is not None:
                 progress(len(idx))
         return out  # type: ignore[return-value]

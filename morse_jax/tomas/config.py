@@ -76,7 +76,12 @@ class OrchestratorConfig:
       prompt's last token is dropped and the first generated token must re-produce its text, so
       the model is never forced to continue at a token boundary it would not produce (a bare
       newline where it would write newline + indentation as one token).
-    verify_workers: threads verifying a wave's artifacts concurrently.
+    verify_workers: verifications (each one sandboxed run) in flight at once; 0 = one per CPU
+      (``os.cpu_count()``: sandbox timeouts are wall-clock), 1 = one at a time.
+    verify_overlap: verify each micro-batch the sampler finishes while it generates the next
+      (when ``generate_fn`` reports them; ``tomas.verification``); False: after the wave's whole
+      generation, as before. Rewards and traces are the same either way (for verifiers whose
+      result does not depend on the machine's load: a wall-clock timeout can).
     raise_verifier_errors: re-raise an exception from extract/verify instead of scoring the
       candidate as a gate failure (the default logs it and counts it in ``verifier_errors``).
     seed: seeds the ``random_subset`` merge draws.
@@ -104,7 +109,8 @@ class OrchestratorConfig:
     planner_prefix: str = ""
     answer_prefix: bool = True
     heal_answer_prefix: bool = False
-    verify_workers: int = 4
+    verify_workers: int = 0
+    verify_overlap: bool = True
     raise_verifier_errors: bool = False
     seed: int = 0
 
@@ -129,13 +135,15 @@ class OrchestratorConfig:
             raise ValueError(f"{p}.fixed_plan_dependencies must be one of {FIXED_PLAN_DEPENDENCIES}, "
                              f"got {self.fixed_plan_dependencies!r}")
         for name in ("routes_per_node", "candidates_per_route", "top_k", "max_attempts", "eval_max_attempts",
-                     "min_nodes", "verify_workers"):
+                     "min_nodes"):
             _check_int(f"{p}.{name}", getattr(self, name), 1)
         _check_int(f"{p}.max_replans", self.max_replans, 0)
+        _check_int(f"{p}.verify_workers", self.verify_workers, 0)
         _check_int(f"{p}.seed", self.seed, 0)
         if isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int) or self.max_nodes < self.min_nodes:
             raise ValueError(f"{p}.max_nodes must be an int >= min_nodes ({self.min_nodes}), got {self.max_nodes!r}")
-        for name in ("single_agent", "raise_verifier_errors", "answer_prefix", "heal_answer_prefix"):
+        for name in ("single_agent", "raise_verifier_errors", "answer_prefix", "heal_answer_prefix",
+                     "verify_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{p}.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("train_sampling", "eval_sampling", "planner_sampling"):

@@ -12,7 +12,11 @@ The orchestrator decides *what* to run; the injected callables do the work:
 A wave collects, for every task, every node whose parents all PASSED and that is not finished: a
 join node (>= 2 parents) first gets a merge call, its execute call comes in a later wave; one
 parent gives the parent's artifact as context, none gives ''. Every artifact is verified by its
-family (concurrently, in a thread pool: verifiers run sandboxed subprocesses). The best
+family (concurrently, in a bounded thread pool: verifiers run sandboxed subprocesses; when
+``generate_fn`` accepts the keyword ``on_ready`` -- called as ``on_ready(indices, completions)``
+for each finished micro-batch from the calling thread, like ``Sampler.generate`` -- those
+candidates verify while the rest generate, with the same results as verifying after generation:
+``tomas.verification``). The best
 gate-passing candidate (highest reward, ties -> first in (route, candidate) order) is what
 propagates; when none passes, the call is regenerated in the next wave with the verifier's
 diagnostic, at most ``max_attempts`` times per call role (``eval_max_attempts`` in eval mode),
@@ -39,6 +43,7 @@ produces (both re-exported here).
 
 from __future__ import annotations
 
+import inspect
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
@@ -53,6 +58,7 @@ from morse_jax.tomas.config import ADAPTER_MODES, MERGE_MODES, MODES, Orchestrat
 from morse_jax.tomas.planning import check_plan, plan_tasks
 from morse_jax.tomas.trace import (Candidate, NodeTrace, RolloutGroup, RouteDraw, RunCounters, RunResult,
                                    TaskTrace, WaveStats, render_trace)
+from morse_jax.tomas.verification import verify_threads
 from morse_jax.tomas.waves import (EncodeFn, GenerateFn, RouteFn, TaskState, WaveRunner, build_request,
                                    ready_calls, wave_stats)
 
@@ -109,6 +115,7 @@ class Orchestrator:
         self.families, self.spec, self.config = dict(families), spec, config
         self.generate_fn, self.route_fn, self.encode_fn = generate_fn, route_fn, encode_fn
         self.verify_collective = verify_collective
+        self._reports_ready = _accepts_keyword(generate_fn, "on_ready")
         self._rng = np.random.default_rng(config.seed)
 
     @property
@@ -144,9 +151,9 @@ class Orchestrator:
             for t in tasks
         ]
         groups: list[RolloutGroup] = []
-        with ThreadPoolExecutor(max_workers=self.config.verify_workers) as pool:
+        with ThreadPoolExecutor(verify_threads(self.config.verify_workers), thread_name_prefix="verify") as pool:
             waves = WaveRunner(self.config, self.spec, self.route_fn, self.encode_fn,
-                               lambda requests: self._generate(requests, counters), self._rng,
+                               lambda requests, on_ready: self._generate(requests, counters, on_ready), self._rng,
                                self.verify_collective, pool, counters)
             while True:
                 calls = ready_calls(states)
@@ -178,10 +185,22 @@ class Orchestrator:
 
         return plan_tasks(tasks, plans, self.families, self.config, complete, counters)
 
-    def _generate(self, requests: list[Request], counters: RunCounters) -> list[Completion]:
+    def _generate(self, requests: list[Request], counters: RunCounters, on_ready=None) -> list[Completion]:
         counters.generate_calls += 1
         counters.requests += len(requests)
-        comps = list(self.generate_fn(requests))
+        if on_ready is not None and self._reports_ready:
+            comps = list(self.generate_fn(requests, on_ready=on_ready))
+        else:
+            comps = list(self.generate_fn(requests))
         if len(comps) != len(requests):
             raise RuntimeError(f"generate_fn returned {len(comps)} completions for {len(requests)} requests")
         return comps
+
+
+def _accepts_keyword(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` takes the keyword ``name`` (an explicit parameter, not a ``**kwargs``)."""
+    try:
+        param = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):  # no signature (some builtins): call it the plain way
+        return False
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)

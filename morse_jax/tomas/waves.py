@@ -4,10 +4,11 @@ A wave collects, for every task, every node whose parents all PASSED and that is
 (:func:`ready_calls`): a join node (>= 2 parents) first gets a merge call, its execute call comes
 in a later wave. :class:`WaveRunner` lays out each call's grid of candidates (routes from one
 ``route_fn`` call for the wave, active expert sets), builds the prompts, generates every
-candidate of the wave in one ``generate`` call, extracts and verifies the artifacts (verification
-in a thread pool), and :func:`settle` records each call: the best gate-passing candidate
-propagates, or the call is retried with the verifier's diagnostic, or the node fails and its
-descendants are blocked.
+candidate of the wave in one ``generate`` call, extracts and verifies the artifacts (in a bounded
+thread pool, overlapped with the generation of the wave's later micro-batches:
+:mod:`morse_jax.tomas.verification`), and :func:`settle` records each call: the best
+gate-passing candidate propagates, or the call is retried with the verifier's diagnostic, or the
+node fails and its descendants are blocked.
 
 Split out of :mod:`morse_jax.tomas.orchestrator` (one concept per module), whose docstring
 describes the rules; this module holds the machinery.
@@ -30,10 +31,12 @@ from morse_jax.tasks.plan import Plan, PlanNode
 from morse_jax.tomas.config import OrchestratorConfig, SamplingSettings
 from morse_jax.tomas.trace import (ActiveSet, AttemptRecord, Candidate, NodeTrace, RolloutGroup, RouteDraw,
                                    RunCounters, WaveStats)
+from morse_jax.tomas.verification import WaveVerification
 
 logger = logging.getLogger("morse_jax.orchestrator")
 
 GenerateFn = Callable[[list[Request]], list[Completion]]
+OnReady = Callable[[list[int], list[Completion]], None]  # (request indices, their completions)
 RouteFn = Callable[..., RouteDraw]
 EncodeFn = Callable[[list[dict]], list[int]]
 
@@ -162,14 +165,16 @@ class WaveRunner:
 
     Args:
       config, spec, route_fn, encode_fn, verify_collective: the orchestrator's.
-      generate: ``generate_fn`` counted in ``counters`` (one call per wave).
+      generate: ``generate_fn`` counted in ``counters`` (one call per wave), with an ``OnReady``
+        hook or None (``morse_jax.tomas.verification`` says what it is for).
       rng: the orchestrator's generator for ``random_subset`` merge draws (it lives across runs).
-      pool: the thread pool verifying a wave's artifacts.
+      pool: the bounded thread pool verifying a wave's artifacts.
       counters: this run's :class:`RunCounters`.
     """
 
     def __init__(self, config: OrchestratorConfig, spec: ExpertBankSpec | None, route_fn: RouteFn | None,
-                 encode_fn: EncodeFn, generate: GenerateFn, rng: np.random.Generator,
+                 encode_fn: EncodeFn, generate: Callable[[list[Request], OnReady | None], list[Completion]],
+                 rng: np.random.Generator,
                  verify_collective: Callable[[Callable[[], list]], list] | None,
                  pool: ThreadPoolExecutor, counters: RunCounters):
         self.config, self.spec, self.route_fn, self.encode_fn = config, spec, route_fn, encode_fn
@@ -287,25 +292,21 @@ class WaveRunner:
                 requests.extend(build_request(cfg, c.prompt_ids, active, s, heal) for _ in range(c.cols))
         counters.waves = wave
         counters.requests_per_wave.append(len(requests))
-        comps = self.generate(requests)
-        # Extraction runs here in call order (families may keep per-node state); verification in threads.
-        jobs = []
-        for c in calls:
-            for j in range(len(c.active) * c.cols):
-                text = comps[c.start + j].text
-                artifact, failed = self._extract(c, text)
-                jobs.append((c, artifact, failed))
-
-        def verify_wave() -> list[tuple[VerifyResult, bool] | None]:
-            futures = [None if failed else self.pool.submit(self._verify, c, art) for c, art, failed in jobs]
-            return [None if fut is None else fut.result() for fut in futures]
-
+        owner = [c for c in calls for _ in range(len(c.active) * c.cols)]  # request index -> its call
+        # Overlapped: each micro-batch the sampler finishes is verified while it generates the next;
+        # not when one process verifies for all (verify_collective). Results in request order either way.
+        overlap = cfg.verify_overlap and self.verify_collective is None
+        wv = WaveVerification(len(requests), lambda j, text: self._extract(owner[j], text),
+                              lambda j, artifact: self._verify(owner[j], artifact), self.pool if overlap else None)
+        comps = self.generate(requests, wv.arrive if overlap else None)
+        wv.complete(comps)
         # Multi-controller runs verify on process 0 only and share the results (verify_collective).
-        verified = verify_wave() if self.verify_collective is None else self.verify_collective(verify_wave)
+        verified = (wv.gather(self.pool) if self.verify_collective is None
+                    else self.verify_collective(lambda: wv.gather(self.pool)))
         results = []
-        for (c, art, failed), v in zip(jobs, verified):
+        for j, v in enumerate(verified):
             if v is None:
-                results.append(failed)
+                results.append(wv.failed[j])
                 continue
             res, err = v
             counters.verifier_calls += 1
@@ -317,7 +318,7 @@ class WaveRunner:
                 row = []
                 for m in range(c.cols):
                     j = c.start + r * c.cols + m
-                    comp, (_, art, _) = comps[j], jobs[j]
+                    comp, art = comps[j], wv.artifacts[j]
                     # a healed completion continues a shorter prompt (Completion.prompt_len)
                     prompt = c.prompt_ids[:comp.prompt_len] if getattr(comp, "healed_text", "") else c.prompt_ids
                     row.append(Candidate(prompt, list(comp.token_ids), np.asarray(comp.logprobs, np.float32),

@@ -225,3 +225,25 @@ def test_training_steps_log_a_profile_that_adds_up(tmp_path, capsys):
     md = write_report(tmp_path / "run", family="scicode", evals=[{"variant": "D"}], step_times=recs).read_text()
     assert "| decode |" in md and "| other |" in md
     assert np.isfinite([r["time/wall_s"] for r in recs]).all()
+
+
+def test_bench_step_table_compares_sides_and_tolerates_a_peer_without_the_profile():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "step.py"
+    spec = importlib.util.spec_from_file_location("bench_step", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    recs = [dict(_step_record(decode=6.0, update=2.0), step=1), dict(_step_record(decode=2.0, update=2.0), step=2)]
+    this = {"step_time": recs, "record_walls": [8.0, 4.0],
+            "train": [{"step": 1, "rollout_s": 6.0, "update_s": 2.0}, {"step": 2, "rollout_s": 2.0, "update_s": 2.0}]}
+    peer = {"step_time": [], "record_walls": [12.0, 12.0],  # a checkout that predates the profile
+            "train": [{"step": 1, "rollout_s": 9.0, "update_s": 3.0}, {"step": 2, "rollout_s": 9.0, "update_s": 3.0}]}
+    s_this, s_peer = bench.summary([this]), bench.summary([peer])
+    assert s_this["decode"] == pytest.approx(4.0) and s_this["wall, steps 2+"] == pytest.approx(4.0)
+    assert s_peer["decode"] is None and s_peer["wall (records)"] == pytest.approx(12.0)
+    out = bench.table({"this": s_this, "peer": s_peer})
+    rows = {line[:22].strip(): line[22:] for line in out.splitlines()[1:]}
+    assert rows["wall (records)"].split()[-1] == "2.00x"  # 12 / 6
+    assert rows["decode"].split()[-1] == "-"  # no ratio where the peer has no value

@@ -84,7 +84,7 @@ def child(args) -> None:
     train(job, writer)
     walls = [b - a for a, b in zip([t_train, *stamps], stamps)]
     out = {"setup_s": setup, "record_walls": walls, "step_time": writer.read("step_time"),
-           "train": [{k: r.get(k) for k in ("step", "rollout_s", "update_s", "reward_mean")}
+           "train": [{k: r.get(k) for k in ("step", "rollout_s", "update_s", "reward_mean", "skipped_update")}
                      for r in writer.read("train")]}
     print(MARK + json.dumps(out), flush=True)
 
@@ -101,7 +101,11 @@ def run_side(checkout: Path, args, config: str) -> dict:
     for line in r.stdout.splitlines():  # the per-step progress lines of the train loop
         if line.startswith("step ") and " s = " in line:
             print(f"  [{checkout.name}] {line}", flush=True)
-    return json.loads(lines[-1][len(MARK):])
+    res = json.loads(lines[-1][len(MARK):])
+    for t in res["train"]:
+        print(f"  [{checkout.name}] train step {t['step']}: reward {t['reward_mean']:.3f}, update {t['update_s']:.1f} s"
+              + (" (skipped: no advantage)" if t.get("skipped_update") else ""), flush=True)
+    return res
 
 
 def summary(results: list[dict]) -> dict[str, float | None]:

@@ -7,7 +7,8 @@ each place opens ``with profile.phase(name):`` around its work. Phases:
 * ``plan``: the planner rounds' host work (prompts, parsing, repairs); their generation is counted
   in prefill / decode / compile, which run nested inside it.
 * ``route``: the router's route draws (``Job.route``), results pulled to the host.
-* ``prefill``: the sampler's prefill calls, blocked on their logits (``Sampler._generate_batch``).
+* ``prefill``: the sampler's prefill calls, blocked on their logits, and the token-healing
+  restriction of the first token (``Sampler._generate_batch``).
 * ``decode``: the rest of every ``generate`` call: the decode loop (each chunk is pulled to the
   host by its ``done`` flags, so device work is inside it), packing, stop strings, detokenizing.
 * ``compile``: tracing, lowering and XLA compiling anywhere in the step (``jax.monitoring``

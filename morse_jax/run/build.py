@@ -39,6 +39,7 @@ from morse_jax.tasks.base import Task, VerifyResult
 from morse_jax.tomas.orchestrator import Orchestrator
 from morse_jax.tomas.trace import RouteDraw, RunResult
 from morse_jax.run.faults import kill_at, kill_now
+from morse_jax.run.profile import StepProfile, phase_of
 
 log = logging.getLogger("morse_jax.run.build")
 
@@ -142,8 +143,20 @@ class Job:
         """One line per split: tasks and steps used, and those left out with the reason."""
         return "\n".join(s.line() for s in self.splits)
 
-    def verify_collective(self):
-        """Verification on process 0 only, results broadcast (None for a single process)."""
+    def verify_collective(self, profile: StepProfile | None = None):
+        """Verification on process 0 only, results broadcast (None for a single process), timed
+        as ``profile``'s ``verify`` phase when one is given."""
+        inner = self._verify_collective()
+        if profile is None:
+            return inner
+
+        def timed(thunk):
+            with profile.phase("verify"):
+                return thunk() if inner is None else inner(thunk)
+
+        return timed
+
+    def _verify_collective(self):
         if kill_at("verification", self.train_step):  # killed mid-verification (sandboxes running)
             return lambda thunk: (threading.Timer(0.3, kill_now).start(), thunk())[1]
         if jax.process_count() == 1:
@@ -166,29 +179,38 @@ class Job:
     def encode(self, messages) -> list[int]:
         return encode_chat(self.backbone.tokenizer, messages)
 
-    def generate(self, requests, on_ready=None):
+    def generate(self, requests, on_ready=None, profile: StepProfile | None = None):
+        """The sampler on ``requests``; with a ``profile``, timed as ``decode`` (the sampler
+        times its prefill calls inside it); ``on_ready`` as in ``Sampler.generate``."""
         if kill_at("sampling", self.train_step):
             kill_now()
         bank = self.trainable["bank"] if self.trainable is not None else None
         bar = tqdm(total=len(requests), desc="generate", unit="call", leave=False, disable=None)
         try:  # on_ready: the orchestrator verifies each finished micro-batch while the next generates
-            return self.sampler.generate(bank, requests, key=self.next_key(), progress=bar.update,
-                                         on_ready=on_ready)
+            with phase_of(profile, "decode"):
+                return self.sampler.generate(bank, requests, key=self.next_key(), progress=bar.update,
+                                             on_ready=on_ready, profile=profile)
         finally:
             bar.close()
 
-    def route(self, descriptions: Sequence[str], *, num_samples: int, greedy: bool) -> RouteDraw:
+    def route(self, descriptions: Sequence[str], *, num_samples: int, greedy: bool,
+              profile: StepProfile | None = None) -> RouteDraw:
         """Route draws for N subtask descriptions (``mole.router.draw_routes``, this run's K)."""
-        ids, mask = encode_descriptions(self.backbone.tokenizer, descriptions)
-        members, set_logp, probs = self._draw_routes(self.trainable["router"], self.backbone.params["embed"], ids,
-                                                     mask, self.next_key(), num_samples=num_samples, greedy=greedy)
-        return RouteDraw(np.asarray(members), np.asarray(set_logp), np.asarray(probs))
+        with phase_of(profile, "route"):
+            ids, mask = encode_descriptions(self.backbone.tokenizer, descriptions)
+            members, set_logp, probs = self._draw_routes(self.trainable["router"], self.backbone.params["embed"],
+                                                         ids, mask, self.next_key(), num_samples=num_samples,
+                                                         greedy=greedy)
+            return RouteDraw(np.asarray(members), np.asarray(set_logp), np.asarray(probs))
 
     def description_ids(self, description: str) -> list[int]:
         ids, mask = encode_descriptions(self.backbone.tokenizer, [description])
         return ids[0, :mask[0].sum()].tolist()
 
-    def orchestrator(self, mode: str, *, single_agent: bool | None = None) -> Orchestrator:
+    def orchestrator(self, mode: str, *, single_agent: bool | None = None,
+                     profile: StepProfile | None = None) -> Orchestrator:
+        """A ``tomas.Orchestrator`` of ``mode`` wired to this job; ``profile`` (a step's
+        ``StepProfile``, or None) is handed to everything it calls."""
         variant = self.orch_variant
         if mode == "train" and self.spec is None:
             raise ValueError(f"config.variant={self.variant!r} has no adapters to train; use config.mode=eval")
@@ -196,15 +218,19 @@ class Job:
         ocfg = orchestrator_config(self.cfg, mode, stop_token_ids=self.stop_ids, single_agent=single_agent,
                                    stop_strings=tuple(getattr(self.family, "stop_strings", ())))
         families = {self.family.name: self.family} if self.family is not None else {}
-        route_fn = self.route if variant in ("mole", "flat_mole") else None
-        return Orchestrator(families, self.spec, self.generate, route_fn, self.encode, ocfg,
-                            verify_collective=self.verify_collective())
+        generate, route_fn = self.generate, self.route if variant in ("mole", "flat_mole") else None
+        if profile is not None:
+            generate = functools.partial(self.generate, profile=profile)
+            route_fn = route_fn and functools.partial(route_fn, profile=profile)
+        return Orchestrator(families, self.spec, generate, route_fn, self.encode, ocfg,
+                            verify_collective=self.verify_collective(profile), profile=profile)
 
     # ------------------------------------------------------------------ tasks and checkpoints
 
-    def run_tasks(self, tasks: Sequence[Task], mode: str, desc: str) -> RunResult:
-        """Plan and run ``tasks`` with a fresh orchestrator of ``mode``, a progress bar per wave."""
-        orch = self.orchestrator(mode)
+    def run_tasks(self, tasks: Sequence[Task], mode: str, desc: str, profile: StepProfile | None = None) -> RunResult:
+        """Plan and run ``tasks`` with a fresh orchestrator of ``mode``, a progress bar per wave
+        (timed into ``profile`` when one is given)."""
+        orch = self.orchestrator(mode, profile=profile)
         bar = tqdm(desc=desc, unit="wave", leave=False, disable=None)
 
         def progress(stats):

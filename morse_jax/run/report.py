@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from morse_jax.run.profile import breakdown
+
 # (metric key, column name, format): percentages as in the paper's tables, ECI as a fraction.
 SCICODE_COLS = (("step_pass", "Step Pass (%)", "pct"), ("mean_step_pass", "Mean Step Pass (%)", "pct"),
                 ("problem_pass", "Problem Pass (%)", "pct"))
@@ -77,9 +79,30 @@ def _plots(workdir: Path, train: Sequence[Mapping], evals: Sequence[Mapping]) ->
     return made
 
 
+def step_time_table(step_times: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Markdown lines: mean seconds per step and share of the wall per phase (``step_time``
+    records of ``run.profile.StepProfile``), the wall and the idle share of the cores."""
+    rows = breakdown(list(step_times))
+    if not rows:
+        return []
+    n = len(step_times)
+    wall = sum(r.get("time/wall_s", 0.0) for r in step_times) / n
+    idle = sum(r.get("time/idle_share", 0.0) for r in step_times) / n
+    cores = step_times[-1].get("time/cores", 0)
+    lines = [f"Mean over {n} step(s); phases are exclusive and add up to the wall (run/profile.py says "
+             "what each covers).", "", "| phase | s per step | share |", "|---|---|---|"]
+    lines += [f"| {p} | {s:.2f} | {100 * share:.1f} % |" for p, s, share in rows]
+    lines += [f"| **wall** | {wall:.2f} | 100 % |", "",
+              f"Idle share of the {cores:.0f} cores: {100 * idle:.1f} % (1 - process and sandbox CPU s / "
+              "(wall x cores)).", ""]
+    return lines
+
+
 def write_report(workdir: str | Path, *, family: str, evals: Sequence[Mapping[str, Any]],
-                 train: Sequence[Mapping[str, Any]] = (), run_info: Mapping[str, Any] | None = None) -> Path:
-    """Write report.md, report.json and plots; returns the path of report.md."""
+                 train: Sequence[Mapping[str, Any]] = (), run_info: Mapping[str, Any] | None = None,
+                 step_times: Sequence[Mapping[str, Any]] = ()) -> Path:
+    """Write report.md, report.json and plots; returns the path of report.md. ``step_times``:
+    the run's ``step_time`` records (the per-phase breakdown of a training step)."""
     workdir = Path(workdir)
     cols = {"scicode": SCICODE_COLS, "pyfuncs": PYFUNCS_COLS}.get(family, SRDD_COLS)
     plots = _plots(workdir, train, evals)
@@ -100,9 +123,12 @@ def write_report(workdir: str | Path, *, family: str, evals: Sequence[Mapping[st
         md += [f"| {r['step']} | {r['reward_mean']:.3f} | {r['reward_std']:.3f} | {r['skipped_within']:.2f} | "
                f"{r['sequences']} | {r.get('update_s', 0):.1f} |" for r in train]
         md.append("")
+    if step_times:
+        md += ["## Where a step's time goes", ""] + step_time_table(step_times)
     md += [f"![{p}]({p})" for p in plots]
     (workdir / "report.md").write_text("\n".join(md) + "\n")
     (workdir / "report.json").write_text(json.dumps({"family": family, "evals": list(evals), "train": list(train),
+                                                     "step_times": list(step_times),
                                                      "run": dict(run_info or {}), "plots": plots}, indent=2,
                                                     default=str))
     return workdir / "report.md"

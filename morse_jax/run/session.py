@@ -76,7 +76,7 @@ def train_and_evaluate(cfg, workdir: Path, *, lead: bool, t_start: float) -> int
         return 0
     (workdir / "eval.json").write_text(json.dumps({"comparable": comparable(cfg), "metrics": metrics}, default=str))
     report = write_report(workdir, family=cfg.data.family, evals=[metrics, *sibling_evals(workdir, cfg)],
-                          train=train_recs,
+                          train=train_recs, step_times=writer.read("step_time"),
                           run_info={"mode": cfg.mode, "variant": cfg.variant, "model": job.backbone.source,
                                     "train steps": len(train_recs), "wall time (s)": round(time.time() - t_start, 1)})
     writer.close()

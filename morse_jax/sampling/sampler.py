@@ -18,6 +18,7 @@ host loop).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -182,12 +183,15 @@ class Sampler:
     # ------------------------------------------------------------------ host side
 
     def generate(self, bank, requests: Sequence[Request], *, key: jax.Array, progress=None,
-                 on_ready=None) -> list[Completion]:
+                 on_ready=None, profile=None) -> list[Completion]:
         """Generate for every request; returns completions in request order.
 
         ``on_ready(indices, completions)``: called after each micro-batch with the request indices
         it finished and their completions (the objects returned at the end), so a caller can start
         on them (the orchestrator verifies them) while the next micro-batch generates.
+
+        ``profile``: a step profile (``run.profile.StepProfile``: ``phase(name)`` contexts) or None;
+        each prefill call, blocked on its logits, is timed as its ``prefill`` phase.
         """
         if not requests:
             return []
@@ -202,7 +206,7 @@ class Sampler:
         for n, start in enumerate(range(0, len(order), mb)):
             idx = order[start:start + mb]
             batch = self._generate_batch(bank, [requests[i] for i in idx], jax.random.fold_in(key, n),
-                                         [heals[i] for i in idx])
+                                         [heals[i] for i in idx], profile)
             for i, c in zip(idx, batch):
                 out[i] = c
             if on_ready is not None:
@@ -228,7 +232,7 @@ class Sampler:
             heals.append(h)
         return out, heals
 
-    def _generate_batch(self, bank, reqs: list[Request], key, heals=None) -> list[Completion]:
+    def _generate_batch(self, bank, reqs: list[Request], key, heals=None, profile=None) -> list[Completion]:
         """One micro-batch; ``heals[i]``: (dropped text, allowed first tokens bool[V]) or None."""
         heals = list(heals) if heals is not None else [None] * len(reqs)
         shape = batch_shape(reqs, self.config)
@@ -236,13 +240,14 @@ class Sampler:
                                                          roles=self.role_adapter is not None)
         bank_arg = self._bank_arg(bank)
         t0 = time.perf_counter()
-        pre = self._prefill(self.params, bank_arg, prompts, experts, np.int32(shape.prefill_chunks),
-                            cache_len=shape.cache_len, chunk=shape.chunk)
-        pre.logits.block_until_ready()  # only to split the timing; decode cannot start before anyway
-        first_logits = None
-        if any(h is not None for h in heals):  # token healing: constrain the first token, once, here
-            first_logits, logits = self._constrain_first_token(pre.logits, heals)
-            pre = pre.replace(logits=logits)
+        with contextlib.nullcontext() if profile is None else profile.phase("prefill"):
+            pre = self._prefill(self.params, bank_arg, prompts, experts, np.int32(shape.prefill_chunks),
+                                cache_len=shape.cache_len, chunk=shape.chunk)
+            pre.logits.block_until_ready()  # only to split the timing; decode cannot start before anyway
+            first_logits = None
+            if any(h is not None for h in heals):  # token healing: constrain the first token, once, here
+                first_logits, logits = self._constrain_first_token(pre.logits, heals)
+                pre = pre.replace(logits=logits)
         t1 = time.perf_counter()
         capture = {} if self.capture_layer is None else dict(hidden_size=self.cfg.hidden_size,
                                                              states_dtype=pre.prefix_states.dtype)

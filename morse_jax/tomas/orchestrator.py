@@ -43,6 +43,7 @@ produces (both re-exported here).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
@@ -82,12 +83,14 @@ class Orchestrator:
       verify_collective: runs a wave's verification thunk and returns its result list; a
         multi-process job passes one that runs it on process 0 only and broadcasts the results
         (``parallel.run_on_coordinator``), so sandboxed code runs once, not once per host.
+      profile: a step profile (``run.profile.StepProfile``: ``phase(name)`` contexts) or None;
+        planning is timed as its ``plan`` phase.
     """
 
     def __init__(self, families: Mapping[str, TaskFamily], spec: ExpertBankSpec | None,
                  generate_fn: GenerateFn, route_fn: RouteFn | None, encode_fn: EncodeFn,
                  config: OrchestratorConfig = _DEFAULT_CONFIG,
-                 verify_collective: Callable[[Callable[[], list]], list] | None = None):
+                 verify_collective: Callable[[Callable[[], list]], list] | None = None, profile=None):
         if not isinstance(config, OrchestratorConfig):
             raise ValueError(f"config must be an OrchestratorConfig, got {type(config).__name__}")
         if not isinstance(families, Mapping) or not families:
@@ -116,6 +119,7 @@ class Orchestrator:
         self.generate_fn, self.route_fn, self.encode_fn = generate_fn, route_fn, encode_fn
         self.verify_collective = verify_collective
         self._reports_ready = _accepts_keyword(generate_fn, "on_ready")
+        self.profile = profile
         self._rng = np.random.default_rng(config.seed)
 
     @property
@@ -144,7 +148,8 @@ class Orchestrator:
         if extra:
             raise ValueError(f"plans: given for unknown task id(s) {extra}")
         counters = RunCounters()
-        resolved = self._plan_all(tasks, plans, counters)
+        with contextlib.nullcontext() if self.profile is None else self.profile.phase("plan"):
+            resolved = self._plan_all(tasks, plans, counters)
         states = [
             TaskState(t, self.families[t.family], resolved[t.task_id],
                       {n.id: NodeTrace(n.id, n.depends_on) for n in resolved[t.task_id].nodes})

@@ -19,6 +19,16 @@ TINY = ["--config.data.train_ids=('19',)", "--config.data.eval_ids=('19',)", "--
         "--config.rollout.planner_max_new_tokens=64"]
 
 
+def quickstart_config(variant: str):
+    """``configs/quickstart.py``'s config for ``variant``, loaded from its file as ``main`` does."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quickstart", REPO / "configs" / "quickstart.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(variant)
+
+
 def _main(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "morse_jax.main", "--config", "configs/quickstart.py",
            f"--config.workdir={workdir}", f"--config.data.cache_dir={workdir.parent / 'cache'}", *TINY, *args]
@@ -141,7 +151,6 @@ def test_single_agent_lora_rl_trains(tmp_path):
     candidates; one training step changes the LoRA. A stand-in verifier alternates rewards 0 / 1
     so the groups have reward variance (the 135M model rarely passes a test). On SciCode the single
     agent makes one call per step, in order (SciCode's protocol; the tests score steps)."""
-    import importlib.util
     import itertools
 
     import jax
@@ -153,10 +162,7 @@ def test_single_agent_lora_rl_trains(tmp_path):
     from morse_jax.run.train_loop import train
     from morse_jax.tasks.base import VerifyResult
 
-    spec = importlib.util.spec_from_file_location("quickstart", REPO / "configs" / "quickstart.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cfg = mod.get_config("single_agent_rl")
+    cfg = quickstart_config("single_agent_rl")
     cfg.workdir, cfg.data.cache_dir = str(tmp_path / "run"), str(tmp_path / "cache")
     cfg.data.train_ids, cfg.data.eval_ids, cfg.data.tasks_per_step = ("19",), ("19",), 1
     cfg.rollout.routes, cfg.rollout.candidates, cfg.rollout.max_attempts = 2, 2, 1

@@ -184,20 +184,16 @@ def test_training_steps_log_a_profile_that_adds_up(tmp_path, capsys):
     """Two quickstart steps on tiny budgets: each step_time record has every phase, none
     negative, parts adding up to the wall within 5 %, the model phases non-zero, one progress
     line per step; the step walls fit in the time train() took."""
-    import importlib.util
     import time
-    from pathlib import Path
 
     from morse_jax.config.validate import validate_config
     from morse_jax.run.build import Job
     from morse_jax.run.metrics_log import MetricsWriter
     from morse_jax.run.train_loop import train
 
-    repo = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("quickstart", repo / "configs" / "quickstart.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cfg = mod.get_config("D")
+    from test_main_job import quickstart_config
+
+    cfg = quickstart_config("D")
     cfg.workdir, cfg.data.cache_dir = str(tmp_path / "run"), str(tmp_path / "cache")
     cfg.data.train_ids, cfg.data.eval_ids, cfg.data.tasks_per_step = ("19",), ("19",), 1
     cfg.rollout.routes, cfg.rollout.candidates, cfg.rollout.max_attempts = 2, 1, 1

@@ -29,6 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 
 COLUMNS = (1, 16)  # decode batch sizes probed: one request, a full rollout batch
+# How much slower than XLA the native kernel may be at one probed column count and still pay.
+# Why not 1.0: a best-of-5 timing of a ~0.1 ms call moves by a few per cent with other load, and
+# on a 2-core AVX-512 host a strict rule turned the kernels off for 97 vs 95 us at one column
+# while they were 2.5x faster at 16 (138 vs 341 us). The guard is for the 5-50x losses above.
+TOLERANCE = 1.15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +46,10 @@ class ProbeResult:
 
     @property
     def native_pays(self) -> bool:
-        """Native is at least as fast as XLA at every probed column count."""
-        return all(self.native_s[b] <= self.xla_s[b] for b in self.native_s)
+        """Native is faster than XLA over the probed column counts together (sum of the best times)
+        and at none of them slower by more than ``TOLERANCE``."""
+        worst = max(self.native_s[b] / self.xla_s[b] for b in self.native_s)
+        return worst <= TOLERANCE and sum(self.native_s.values()) <= sum(self.xla_s.values())
 
     def describe(self) -> str:
         n, k = self.shape

@@ -75,6 +75,7 @@ def run_one(args, variant: str, seed: int, iid, ood, step0: dict | None = None) 
     from morse_jax.config.validate import validate_config
     from morse_jax.run.build import Job
     from morse_jax.run.metrics_log import MetricsWriter
+    from morse_jax.run.session import enable_compilation_cache
     from morse_jax.run.train_loop import train
 
     run_dir = Path(args.workdir) / f"{variant}_s{seed}"
@@ -93,6 +94,7 @@ def run_one(args, variant: str, seed: int, iid, ood, step0: dict | None = None) 
     cfg.train.checkpoint_every = args.eval_every
     apply_overrides(cfg, args.set)
     validate_config(cfg)
+    enable_compilation_cache(cfg.compilation_cache)  # later seeds and variants reuse the programs
     t0 = time.time()
     job = Job(cfg, load_tasks=True)
     writer = MetricsWriter(run_dir)

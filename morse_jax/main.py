@@ -18,7 +18,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from morse_jax.config.validate import ConfigError, validate_config
-from morse_jax.run.session import quiet_logs
+from morse_jax.run.session import enable_compilation_cache, quiet_logs
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Path to a config file.",
                                           lock_config=True)
@@ -68,6 +68,7 @@ def main(argv):
 
     # Before any other JAX use: joins a multi-process run (explicit settings or SLURM); no-op alone.
     initialize(cfg.parallel.coordinator, cfg.parallel.num_processes, cfg.parallel.process_id)
+    enable_compilation_cache(cfg.compilation_cache)
     import jax
 
     if jax.process_index() != 0:  # one set of progress bars and prints per run

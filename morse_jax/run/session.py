@@ -22,6 +22,25 @@ def quiet_logs() -> None:
     warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
 
 
+def enable_compilation_cache(path: str, *, min_compile_seconds: float = 1.0) -> Path | None:
+    """Keep XLA's compiled programs under ``path`` across processes (``config.compilation_cache``).
+
+    Returns the directory, or None when ``path`` is empty (off). Call before the first compile.
+    Why a threshold: reading a tiny program back costs about as much as compiling it, and the
+    cache would fill with thousands of them; the programs worth keeping are the model's (tens of
+    seconds each on 2 CPU cores).
+    """
+    if not path:
+        return None
+    import jax
+
+    directory = Path(path).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
+    return directory
+
+
 def clear_run(workdir: Path) -> None:
     """--config.fresh=True: drop a previous run's checkpoints, metrics and report (nothing else)."""
     import shutil

@@ -14,7 +14,7 @@ train records are filled).
 
 Usage:
   python bench/step.py [--steps 2] [--learn] [--peer ../other_checkout] [--rounds 1]
-                       [--set rollout.max_new_tokens=48 ...]
+                       [--set rollout.max_new_tokens=48 ...] [--compilation-cache DIR]
   --learn: configs/learn_cpu.py:D (PyFuncs) instead of configs/quickstart.py (SciCode, variant D).
 
 Measured: see README "Where a step's time goes".
@@ -49,6 +49,11 @@ def child(args) -> None:
     from morse_jax.run.train_loop import train
 
     quiet_logs()
+    if args.compilation_cache:  # set directly, so a peer checkout older than the setting uses it too
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(Path(args.compilation_cache).expanduser()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     path, _, variant = args.config.partition(":")
     spec = importlib.util.spec_from_file_location("bench_config", Path(path).resolve())
     mod = importlib.util.module_from_spec(spec)
@@ -92,7 +97,8 @@ def child(args) -> None:
 def run_side(checkout: Path, args, config: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         cmd = [sys.executable, str(HERE), "--child", "--config", config, "--steps", str(args.steps),
-               "--workdir", str(Path(tmp) / "run"), *sum((["--set", s] for s in args.set), [])]
+               "--workdir", str(Path(tmp) / "run"), *sum((["--set", s] for s in args.set), []),
+               *(["--compilation-cache", args.compilation_cache] if args.compilation_cache else [])]
         env = dict(os.environ, PYTHONPATH=str(checkout) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         r = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
     lines = [line for line in r.stdout.splitlines() if line.startswith(MARK)]
@@ -149,6 +155,9 @@ def main() -> None:
     ap.add_argument("--peer", help="another checkout to run the same steps on (before / after)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
+    ap.add_argument("--compilation-cache", default="",
+                    help="a persistent XLA compilation cache dir for both sides (default: none, every "
+                         "child compiles from scratch); run twice to measure warm restarts")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)

@@ -117,6 +117,10 @@ class SamplerConfig:
     # all experts with per-row weights, or "auto" (onehot while E <= rows * max_active).
     lora_compose: str = "auto"
     prefill_rows: int = 512  # prompt tokens per prefill chunk, summed over the batch (see Sampler._chunk)
+    # Prefill each distinct request of a micro-batch once (same prompt, prompt roles, expert set
+    # and role: the M candidates of an HGRPO route) when they fit a smaller batch bucket, and copy
+    # its rows (sampling.shared_prefill). Same outputs; off = every row prefills its own prompt.
+    share_prefill: bool = True
     # Also return each completion's residual stream entering the first adapted layer
     # (Completion.prefix_states): the layers before it are frozen and expert-free, so the trainer
     # can restart there instead of recomputing them (rl.train_step, TrainConfig.reuse_prefix_states).

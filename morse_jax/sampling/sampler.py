@@ -44,10 +44,12 @@ from morse_jax.sampling.requests import (  # Completion, Request, SamplerConfig:
     Request,
     SamplerConfig,
     batch_shape,
+    bucket,
     check_request,
     pack_requests,
 )
 from morse_jax.sampling.sample import restrict_logits
+from morse_jax.sampling.shared_prefill import cache_row_layout, prefill_groups, row_index, share_rows
 from morse_jax.sampling.sharded import shard_sampler_functions
 from morse_jax.sampling.state import DecodeSettings, ExpertSlots, PrefillOutput, SamplingState, initial_state
 
@@ -110,6 +112,8 @@ class Sampler:
             self.params = params
             self._prefill = jax.jit(prefill, static_argnames=("cache_len", "chunk"))
             self._decode = jax.jit(decode, donate_argnums=(2,))
+            layout = cache_row_layout(lambda b: loop.empty_cache(self.loop_config, params, b, 8))
+            self._share_rows = jax.jit(functools.partial(share_rows, layout=layout))
         else:  # params, batches and caches sharded over the mesh
             self.params, self._prefill, self._decode = shard_sampler_functions(mesh, self.loop_config, params,
                                                                                prefill, decode)
@@ -241,8 +245,7 @@ class Sampler:
         bank_arg = self._bank_arg(bank)
         t0 = time.perf_counter()
         with contextlib.nullcontext() if profile is None else profile.phase("prefill"):
-            pre = self._prefill(self.params, bank_arg, prompts, experts, np.int32(shape.prefill_chunks),
-                                cache_len=shape.cache_len, chunk=shape.chunk)
+            pre = self._prefill_distinct(bank_arg, reqs, shape, prompts, experts)
             pre.logits.block_until_ready()  # only to split the timing; decode cannot start before anyway
             first_logits = None
             if any(h is not None for h in heals):  # token healing: constrain the first token, once, here
@@ -266,6 +269,24 @@ class Sampler:
                            logps=np.asarray(state.logps), n_gen=np.asarray(state.n_gen), reason=np.asarray(state.reason), stop_at=stop_at,
                            heals=heals, first_logits=first_logits, prompt_end=shape.prompt_end,
                            prompt_states=prompt_states, gen_states=gen_states)
+
+    def _prefill_distinct(self, bank_arg, reqs: list[Request], shape, prompts, experts):
+        """The micro-batch's prefill, each distinct request once (``shared_prefill``): when the
+        distinct requests fit a smaller batch bucket, prefill those and copy the rows."""
+        groups = prefill_groups(reqs)
+        distinct_rows = bucket(len(set(groups)), self.config.batch_buckets, "batch")
+        if self.mesh is not None or not self.config.share_prefill or distinct_rows >= shape.rows:
+            return self._prefill(self.params, bank_arg, prompts, experts, np.int32(shape.prefill_chunks),
+                                 cache_len=shape.cache_len, chunk=shape.chunk)
+        distinct, index = row_index(groups, shape.rows)
+        # same prompt bucket, chunk and end slot as the whole micro-batch: the copied cache rows
+        # must sit where the decode expects them
+        d_prompts, d_experts, _, _ = pack_requests([reqs[i] for i in distinct],
+                                                   dataclasses.replace(shape, rows=distinct_rows),
+                                                   self.config.max_active, roles=self.role_adapter is not None)
+        pre = self._prefill(self.params, bank_arg, d_prompts, d_experts, np.int32(shape.prefill_chunks),
+                            cache_len=shape.cache_len, chunk=shape.chunk)
+        return self._share_rows(pre, jnp.asarray(index))
 
     def _bank_arg(self, bank):
         """What the jitted functions get as ``bank``: the expert bank, the role adapter's

@@ -2,7 +2,8 @@
 
 Longer than 400 lines because the step and its host driver stay together, so that callers
 import one module. Layout: :class:`TrainConfig` and the optimiser; :class:`TrainState` and the pure
-pieces of :func:`train_step` (``lora_gradients``, ``route_gradients``, ``apply_gradients``),
+pieces of the step (``lora_gradients``, ``add_gradients``, ``finish_step`` = ``route_gradients``
++ ``apply_gradients``),
 jitted plainly or with shardings (``make_train_step`` / ``make_sharded_train_step``); the
 :class:`Trainer`, a thin host driver that pads, buckets and calls the step.
 
@@ -21,8 +22,9 @@ The regularisers enter every update that runs (also when no route has a non-zero
 update runs when some candidate or route carries a non-zero advantage. A merge candidate's
 inherited subtask experts are in its forward pass but get no gradient from it
 (``SequenceExample.expert_trainable``). Gradients are sums over candidates, so micro-batches
-accumulate exactly: :class:`TrainState` carries the running sum (``grad_sum``), each micro-batch
-adds its gradient to it on device, and the optimiser step consumes it (:func:`train_step`). ``ppo_epochs`` passes over the same examples each take an
+accumulate exactly: each micro-batch's gradient is its own program at the current params, summed
+on device, and one last program adds the router's gradient and steps the optimiser
+(:class:`TrainStep`). ``ppo_epochs`` passes over the same examples each take an
 optimiser step; the old log-probs stay the sampler's, so the PPO clip acts from the second pass.
 
 Cost (see bench/train_step.py): only the last L_adapt layers are differentiated (the frozen
@@ -148,18 +150,16 @@ class TrainState:
 
     params: {"bank": expert bank, "router": router params}, the only differentiated tree.
     opt_state: ``make_optimizer(cfg)``'s state over ``params`` (its Adam counts are the step).
-    grad_sum: a tree like ``params``: this update's gradients summed so far over its micro-batches
-      and route batch; zeros between updates (``apply_gradients`` consumes and resets it).
-    No PRNG key: nothing in the update is random.
+    No gradient sum (an update's gradients live only inside :meth:`TrainStep.__call__`) and no
+    PRNG key (nothing in the update is random).
     """
 
     params: Any
     opt_state: Any
-    grad_sum: Any
 
     @classmethod
     def create(cls, params, opt_state) -> "TrainState":
-        return cls(params=params, opt_state=opt_state, grad_sum=jax.tree.map(jnp.zeros_like, params))
+        return cls(params=params, opt_state=opt_state)
 
 
 @struct.dataclass
@@ -173,9 +173,11 @@ class UpdateBatch:
     reinforce: bool = struct.field(pytree_node=False, default=True)
 
 
-def lora_gradients(state: TrainState, frozen, batch: SequenceBatch | SharedBatch, *, model_cfg: ModelConfig,
-                   spec: ExpertBankSpec, cfg: TrainConfig, start_layer: int) -> tuple[TrainState, dict]:
-    """Add one micro-batch's LoRA-loss gradient (w.r.t. the bank) to ``state.grad_sum``.
+def lora_gradients(params, frozen, batch: SequenceBatch | SharedBatch, *, model_cfg: ModelConfig,
+                   spec: ExpertBankSpec, cfg: TrainConfig, start_layer: int) -> tuple[Any, dict]:
+    """One micro-batch's LoRA-loss gradient w.r.t. the bank: (a tree like ``params["bank"]``,
+    metrics). A function of ``params`` alone (no running sum), so the micro-batches of an update
+    are independent programs that the runtime may overlap.
 
     Metrics (float32 scalars): lora_loss, clip_fraction, approx_kl, ratio_mean (token means),
     logp_gap_max / logp_gap_mean (|new - behaviour| log-prob), token_nll, tokens (mask sum),
@@ -200,15 +202,19 @@ def lora_gradients(state: TrainState, frozen, batch: SequenceBatch | SharedBatch
              "token_nll": -(jax.lax.stop_gradient(new_logp) * mask).sum() / n_tok, "tokens": mask.sum()}
         return loss, m
 
-    (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params["bank"])
-    grad_sum = {**state.grad_sum, "bank": jax.tree.map(jnp.add, state.grad_sum["bank"], g)}
-    return state.replace(grad_sum=grad_sum), {**metrics, "lora_loss": loss}
+    (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params["bank"])
+    return g, {**metrics, "lora_loss": loss}
 
 
-def route_gradients(state: TrainState, embed, batch: RouteBatch, *, cfg: TrainConfig,
-                    reinforce: bool) -> tuple[TrainState, dict]:
-    """Add the router loss's gradient (Eq. 8 plus the entropy and orthogonality regularisers,
-    w.r.t. the router) to ``state.grad_sum``. ``embed``: the backbone's input embedding [V, d].
+def add_gradients(total, g):
+    """``total + g`` leaf by leaf (the running sum of an update's micro-batch gradients)."""
+    return jax.tree.map(jnp.add, total, g)
+
+
+def route_gradients(router, embed, batch: RouteBatch, *, cfg: TrainConfig, reinforce: bool) -> tuple[Any, dict]:
+    """The router loss's gradient (Eq. 8 plus the entropy and orthogonality regularisers) w.r.t.
+    ``router`` (a tree like ``params["router"]``), and metrics. ``embed``: the backbone's input
+    embedding [V, d].
 
     Metrics: router_loss, clip_fraction, ratio_mean, routing_entropy, orthogonality (scalars),
     expert_usage f32[num_subtask] (route members counted over real rows).
@@ -230,26 +236,40 @@ def route_gradients(state: TrainState, embed, batch: RouteBatch, *, cfg: TrainCo
         return total, {**m, "router_loss": loss, "routing_entropy": ent, "orthogonality": ortho,
                        "expert_usage": usage}
 
-    (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params["router"])
-    grad_sum = {**state.grad_sum, "router": jax.tree.map(jnp.add, state.grad_sum["router"], g)}
-    return state.replace(grad_sum=grad_sum), metrics
+    (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(router)
+    return g, metrics
 
 
-def apply_gradients(state: TrainState, *, tx: optax.GradientTransformation) -> tuple[TrainState, dict]:
-    """One optimiser step with ``state.grad_sum``, which is then reset to zeros.
+def apply_gradients(state: TrainState, grads, *, tx: optax.GradientTransformation) -> tuple[TrainState, dict]:
+    """One optimiser step with ``grads`` (a tree like ``state.params``).
     Metrics: grad_norm, grad_norm_lora, grad_norm_router (before any clipping)."""
-    grads = state.grad_sum
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     norms = {"grad_norm": optax.global_norm(grads), "grad_norm_lora": optax.global_norm(grads["bank"]),
              "grad_norm_router": optax.global_norm(grads["router"])}
-    return TrainState(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
-                      grad_sum=jax.tree.map(jnp.zeros_like, grads)), norms
+    return TrainState(params=optax.apply_updates(state.params, updates), opt_state=opt_state), norms
 
 
-def combine_metrics(lora_parts: Sequence[dict], route_metrics: dict | None) -> dict:
-    """One update's metrics (host numpy) from its micro-batches' and route batch's: lora_loss
-    summed, logp_gap_max the max, the other LoRA metrics token-weighted means."""
-    metrics = {k: np.asarray(v) for k, v in (route_metrics or {}).items()}
+def finish_step(state: TrainState, bank_grad, embed, routes: RouteBatch | None, *, cfg: TrainConfig,
+                tx: optax.GradientTransformation, reinforce: bool) -> tuple[TrainState, dict]:
+    """The end of a step, one program: the router's gradient (:func:`route_gradients`, when there
+    is a route batch) next to ``bank_grad`` (the micro-batches' summed LoRA gradient, or None:
+    zeros), then :func:`apply_gradients`. Returns (state, route metrics + norms)."""
+    params = state.params
+    bank = jax.tree.map(jnp.zeros_like, params["bank"]) if bank_grad is None else bank_grad
+    metrics: dict = {}
+    if routes is None:
+        router = jax.tree.map(jnp.zeros_like, params["router"])
+    else:
+        router, metrics = route_gradients(params["router"], embed, routes, cfg=cfg, reinforce=reinforce)
+    state, norms = apply_gradients(state, {"bank": bank, "router": router}, tx=tx)
+    return state, {**metrics, **norms}
+
+
+def combine_metrics(lora_parts: Sequence[dict], finish_metrics: dict) -> dict:
+    """One update's metrics (host numpy) from its micro-batches' and its finish program's (route
+    metrics, norms): lora_loss summed, logp_gap_max the max, the other LoRA metrics
+    token-weighted means."""
+    metrics = {k: np.asarray(v) for k, v in finish_metrics.items()}
     if lora_parts:
         tok = sum(float(p["tokens"]) for p in lora_parts)
         metrics["lora_loss"] = sum(float(p["lora_loss"]) for p in lora_parts)
@@ -264,16 +284,21 @@ def combine_metrics(lora_parts: Sequence[dict], route_metrics: dict | None) -> d
 class TrainStep:
     """``train_step(state, frozen, batch) -> (state, metrics)`` from the jitted pure pieces.
 
-    The pieces are jitted separately, each once per batch layout (shape signature): the number
-    of micro-batches varies from update to update (it follows the candidates with a non-zero
-    advantage), and a step jitted as a whole (``lax.scan`` over stacked micro-batches) would
-    compile again for every new count. The sum is still formed on device, inside the jitted
-    gradient function (``TrainState.grad_sum``). ``compile_count`` counts traces of the three.
+    Per micro-batch one ``lora`` program (its gradient at ``state.params``), summed on device by
+    ``add`` (a small program that donates the running sum); then one ``finish`` program (router
+    gradient + AdamW) that donates the state. The micro-batch programs depend on the
+    params only, not on each other, so they are dispatched back to back and the runtime may
+    overlap them (a running sum threaded through them as a state field made each wait for the
+    previous one, and copied the params and optimiser state through every program); nothing
+    goes back to the host until the step's programs are all dispatched. The pieces are jitted separately, each once per batch layout
+    (shape signature): the number of micro-batches varies from update to update (it follows
+    the candidates with a non-zero advantage), and a step jitted as a whole would compile again
+    for every new count. ``compile_count`` counts traces of the three.
     """
 
-    lora: Callable  # (state, frozen, SequenceBatch | SharedBatch) -> (state, metrics)
-    routes: Callable  # (state, embed, RouteBatch, reinforce=bool) -> (state, metrics)
-    apply: Callable  # (state) -> (state, norms); donates the state
+    lora: Callable  # (params, frozen, SequenceBatch | SharedBatch) -> (bank grad, metrics)
+    add: Callable  # (sum, grad) -> sum; donates the sum
+    finish: Callable  # (state, bank grad | None, embed, RouteBatch | None, reinforce=bool) -> (state, metrics)
     logprobs: Callable  # (frozen, bank=, batch=) -> float32[R, L] or [R, Lc]
     traces: list = dataclasses.field(default_factory=list)
 
@@ -282,19 +307,15 @@ class TrainStep:
         return len(self.traces)
 
     def __call__(self, state: TrainState, frozen, batch: UpdateBatch, progress=None) -> tuple[TrainState, dict]:
-        parts = []
+        parts, total = [], None
         for micro in batch.sequences:
-            state, m = self.lora(state, frozen, micro)
+            g, m = self.lora(state.params, frozen, micro)
+            total = g if total is None else self.add(total, g)
             parts.append(m)
             if progress is not None:
                 progress(1)
-        route_metrics = None
-        if batch.routes is not None:
-            state, route_metrics = self.routes(state, frozen["embed"], batch.routes, reinforce=batch.reinforce)
-        metrics = combine_metrics(parts, route_metrics)
-        state, norms = self.apply(state)
-        metrics.update(norms)
-        return state, metrics
+        state, finish_metrics = self.finish(state, total, frozen["embed"], batch.routes, reinforce=batch.reinforce)
+        return state, combine_metrics(parts, finish_metrics)
 
 
 def _traced(fn: Callable, traces: list, name: str) -> Callable:
@@ -309,24 +330,25 @@ def _traced(fn: Callable, traces: list, name: str) -> Callable:
 
 
 def _pure_pieces(model_cfg: ModelConfig, spec: ExpertBankSpec, cfg: TrainConfig, start_layer: int, traces: list):
-    statics = dict(model_cfg=model_cfg, spec=spec, cfg=cfg, start_layer=start_layer)
-    lora = _traced(functools.partial(lora_gradients, **statics), traces, "lora")
-    routes = _traced(functools.partial(route_gradients, cfg=cfg), traces, "routes")
-    apply = _traced(functools.partial(apply_gradients, tx=make_optimizer(cfg)), traces, "apply")
+    lora = _traced(functools.partial(lora_gradients, model_cfg=model_cfg, spec=spec, cfg=cfg,
+                                     start_layer=start_layer), traces, "lora")
+    add = _traced(add_gradients, traces, "add")
+    finish = _traced(functools.partial(finish_step, cfg=cfg, tx=make_optimizer(cfg)), traces, "finish")
 
     def logprobs(frozen, bank, batch):
         return sequence_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer)
 
-    return lora, routes, apply, logprobs
+    return lora, add, finish, logprobs
 
 
 def make_train_step(model_cfg: ModelConfig, spec: ExpertBankSpec, cfg: TrainConfig, *,
                     start_layer: int) -> TrainStep:
     """The step on one device (or wherever the arguments live): plain ``jax.jit``."""
     traces: list = []
-    lora, routes, apply, logprobs = _pure_pieces(model_cfg, spec, cfg, start_layer, traces)
-    return TrainStep(lora=jax.jit(lora), routes=jax.jit(routes, static_argnames=("reinforce",)),
-                     apply=jax.jit(apply, donate_argnums=(0,)), logprobs=jax.jit(logprobs), traces=traces)
+    lora, add, finish, logprobs = _pure_pieces(model_cfg, spec, cfg, start_layer, traces)
+    return TrainStep(lora=jax.jit(lora), add=jax.jit(add, donate_argnums=(0,)),
+                     finish=jax.jit(finish, static_argnames=("reinforce",), donate_argnums=(0,)),
+                     logprobs=jax.jit(logprobs), traces=traces)
 
 
 def make_sharded_train_step(mesh, frozen, model_cfg: ModelConfig, spec: ExpertBankSpec, cfg: TrainConfig, *,
@@ -338,16 +360,19 @@ def make_sharded_train_step(mesh, frozen, model_cfg: ModelConfig, spec: ExpertBa
     f_sh = param_shardings(mesh, frozen, model_cfg)
     rep = replicated(mesh)
     traces: list = []
-    lora, routes, apply, logprobs = _pure_pieces(model_cfg, spec, cfg, start_layer, traces)
+    lora, add, finish, logprobs = _pure_pieces(model_cfg, spec, cfg, start_layer, traces)
 
     def like(tree):
         return jax.tree.map(lambda _: rep, tree)
 
+    def finish_shardings(a, _):
+        routes = None if a[3] is None else batch_shardings(mesh, a[3])
+        return (like(a[0]), like(a[1]), f_sh["embed"], routes), rep
+
     step = TrainStep(
         lora=ShapeKeyedJit(lora, lambda a, _: ((like(a[0]), f_sh, batch_shardings(mesh, a[2])), rep)),
-        routes=ShapeKeyedJit(routes, lambda a, _: ((like(a[0]), f_sh["embed"], batch_shardings(mesh, a[2])), rep),
-                             static_argnames=("reinforce",)),
-        apply=ShapeKeyedJit(apply, lambda a, _: ((like(a[0]),), rep), donate_argnums=(0,)),
+        add=ShapeKeyedJit(add, lambda a, _: ((like(a[0]), like(a[1])), rep), donate_argnums=(0,)),
+        finish=ShapeKeyedJit(finish, finish_shardings, static_argnames=("reinforce",), donate_argnums=(0,)),
         logprobs=ShapeKeyedJit(logprobs, lambda a, _: ((f_sh, like(a[1]), batch_shardings(mesh, a[2])), rep)),
         traces=traces)
     return frozen, step

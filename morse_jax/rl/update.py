@@ -58,7 +58,7 @@ from morse_jax.parallel.sharding import batch_shardings, param_shardings, replic
 from morse_jax.rl import losses
 from morse_jax.rl.examples import RouteExample, SequenceExample
 from morse_jax.rl.batch import (RouteBatch, SequenceBatch, SharedBatch, group_order, pad_routes, pad_sequences,
-                                pad_shared, share_key)
+                                pad_shared, sequence_shape, share_key, shared_shape)
 from morse_jax.rl.logprobs import sequence_logprobs
 
 
@@ -89,11 +89,13 @@ class TrainConfig:
     micro_batch: int = 8
     length_buckets: tuple[int, ...] = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
     # LM-head positions per row (the longest completion's bucket) and, with share_prompts, the
-    # prompt and completion lengths: 1/8-octave steps, so padding wastes at most ~20 % (a 194-token
-    # completion pads to 224, not 256) for a bounded number of compiles. None: head everywhere.
+    # prompt and completion lengths: half-octave steps (powers of two and 1.5x), so padding wastes
+    # at most a third, while an update's largest prompt and completion (every micro-batch of an
+    # update pads to them, Trainer.update_shape) mostly land in the bucket of the previous update's
+    # and reuse its compiled program (with 1/8-octave steps a largest prompt ~10 % longer was a
+    # new shape, i.e. a compile). None: head everywhere.
     completion_buckets: tuple[int, ...] | None = (
-        16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
-        1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
+        16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
     route_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
     # run a prompt once for all candidates sharing it and their active set (rl.batch.pad_shared)
     # in updates where that at least halves the prompts run; prompts and completions then pad to
@@ -166,7 +168,8 @@ class TrainState:
 class UpdateBatch:
     """One optimiser step's data: ``sequences`` the LoRA micro-batches (one layout, all
     ``SequenceBatch`` or all ``SharedBatch``), ``routes`` the router batch or None (no subtask
-    experts); ``reinforce`` (static) selects the router's REINFORCE form (first PPO pass)."""
+    experts); ``reinforce`` selects the router's REINFORCE form (first PPO pass of the first
+    training step; a traced flag in the step, so both forms share one program)."""
 
     sequences: tuple
     routes: RouteBatch | None
@@ -211,10 +214,12 @@ def add_gradients(total, g):
     return jax.tree.map(jnp.add, total, g)
 
 
-def route_gradients(router, embed, batch: RouteBatch, *, cfg: TrainConfig, reinforce: bool) -> tuple[Any, dict]:
+def route_gradients(router, embed, batch: RouteBatch, *, cfg: TrainConfig, reinforce) -> tuple[Any, dict]:
     """The router loss's gradient (Eq. 8 plus the entropy and orthogonality regularisers) w.r.t.
     ``router`` (a tree like ``params["router"]``), and metrics. ``embed``: the backbone's input
-    embedding [V, d].
+    embedding [V, d]. ``reinforce``: a Python bool, or a bool[] array (both forms traced, one
+    program for either value: the first training step takes the REINFORCE form, the next ones
+    the PPO one).
 
     Metrics: router_loss, clip_fraction, ratio_mean, routing_entropy, orthogonality (scalars),
     expert_usage f32[num_subtask] (route members counted over real rows).
@@ -226,8 +231,14 @@ def route_gradients(router, embed, batch: RouteBatch, *, cfg: TrainConfig, reinf
         probs = rt.router_probs(router, emb, temperature=c.router_temperature)
         set_fn = rt.approx_set_log_prob if c.approx_set_logp else rt.set_log_prob
         set_logp = set_fn(probs, batch.members)
-        loss, m = losses.router_loss(set_logp, batch.old_set_logp, batch.advantages, alpha_pi=c.alpha_pi,
-                                     eps=c.ppo_eps, reinforce=reinforce)
+        def form(reinforce: bool):
+            return losses.router_loss(set_logp, batch.old_set_logp, batch.advantages, alpha_pi=c.alpha_pi,
+                                      eps=c.ppo_eps, reinforce=reinforce)
+
+        if isinstance(reinforce, bool):
+            loss, m = form(reinforce)
+        else:
+            loss, m = jax.lax.cond(reinforce, lambda: form(True), lambda: form(False))
         w = batch.row_mask
         ent = jnp.sum(losses.routing_entropy(probs) * w) / jnp.maximum(w.sum(), 1.0)
         ortho = losses.prototype_orthogonality(router["prototypes"])
@@ -249,11 +260,12 @@ def apply_gradients(state: TrainState, grads, *, tx: optax.GradientTransformatio
     return TrainState(params=optax.apply_updates(state.params, updates), opt_state=opt_state), norms
 
 
-def finish_step(state: TrainState, bank_grad, embed, routes: RouteBatch | None, *, cfg: TrainConfig,
-                tx: optax.GradientTransformation, reinforce: bool) -> tuple[TrainState, dict]:
+def finish_step(state: TrainState, bank_grad, embed, routes: RouteBatch | None, reinforce, *, cfg: TrainConfig,
+                tx: optax.GradientTransformation) -> tuple[TrainState, dict]:
     """The end of a step, one program: the router's gradient (:func:`route_gradients`, when there
-    is a route batch) next to ``bank_grad`` (the micro-batches' summed LoRA gradient, or None:
-    zeros), then :func:`apply_gradients`. Returns (state, route metrics + norms)."""
+    is a route batch; ``reinforce`` a bool[] array) next to ``bank_grad`` (the micro-batches'
+    summed LoRA gradient, or None: zeros), then :func:`apply_gradients`. Returns (state, route
+    metrics + norms)."""
     params = state.params
     bank = jax.tree.map(jnp.zeros_like, params["bank"]) if bank_grad is None else bank_grad
     metrics: dict = {}
@@ -298,7 +310,7 @@ class TrainStep:
 
     lora: Callable  # (params, frozen, SequenceBatch | SharedBatch) -> (bank grad, metrics)
     add: Callable  # (sum, grad) -> sum; donates the sum
-    finish: Callable  # (state, bank grad | None, embed, RouteBatch | None, reinforce=bool) -> (state, metrics)
+    finish: Callable  # (state, bank grad | None, embed, RouteBatch | None, bool[]) -> (state, metrics)
     logprobs: Callable  # (frozen, bank=, batch=) -> float32[R, L] or [R, Lc]
     traces: list = dataclasses.field(default_factory=list)
 
@@ -314,7 +326,7 @@ class TrainStep:
             parts.append(m)
             if progress is not None:
                 progress(1)
-        state, finish_metrics = self.finish(state, total, frozen["embed"], batch.routes, reinforce=batch.reinforce)
+        state, finish_metrics = self.finish(state, total, frozen["embed"], batch.routes, np.bool_(batch.reinforce))
         return state, combine_metrics(parts, finish_metrics)
 
 
@@ -347,7 +359,7 @@ def make_train_step(model_cfg: ModelConfig, spec: ExpertBankSpec, cfg: TrainConf
     traces: list = []
     lora, add, finish, logprobs = _pure_pieces(model_cfg, spec, cfg, start_layer, traces)
     return TrainStep(lora=jax.jit(lora), add=jax.jit(add, donate_argnums=(0,)),
-                     finish=jax.jit(finish, static_argnames=("reinforce",), donate_argnums=(0,)),
+                     finish=jax.jit(finish, donate_argnums=(0,)),
                      logprobs=jax.jit(logprobs), traces=traces)
 
 
@@ -367,12 +379,12 @@ def make_sharded_train_step(mesh, frozen, model_cfg: ModelConfig, spec: ExpertBa
 
     def finish_shardings(a, _):
         routes = None if a[3] is None else batch_shardings(mesh, a[3])
-        return (like(a[0]), like(a[1]), f_sh["embed"], routes), rep
+        return (like(a[0]), like(a[1]), f_sh["embed"], routes, rep), rep
 
     step = TrainStep(
         lora=ShapeKeyedJit(lora, lambda a, _: ((like(a[0]), f_sh, batch_shardings(mesh, a[2])), rep)),
         add=ShapeKeyedJit(add, lambda a, _: ((like(a[0]), like(a[1])), rep), donate_argnums=(0,)),
-        finish=ShapeKeyedJit(finish, finish_shardings, static_argnames=("reinforce",), donate_argnums=(0,)),
+        finish=ShapeKeyedJit(finish, finish_shardings, donate_argnums=(0,)),
         logprobs=ShapeKeyedJit(logprobs, lambda a, _: ((f_sh, like(a[1]), batch_shardings(mesh, a[2])), rep)),
         traces=traces)
     return frozen, step
@@ -441,16 +453,35 @@ class Trainer:
 
     def batch(self, seqs: Sequence[SequenceExample], routes: Sequence[RouteExample], *, num_groups: int,
               reinforce: bool = True) -> UpdateBatch:
-        """The padded :class:`UpdateBatch` of one update (advantages scaled by 1/num_groups)."""
+        """The padded :class:`UpdateBatch` of one update (advantages scaled by 1/num_groups).
+
+        Every micro-batch of the update is padded to one shape (:meth:`update_shape`), so an
+        update compiles at most one LoRA program and consecutive updates, whose largest prompt
+        and completion mostly fall in the same bucket, reuse it."""
         scale = 1.0 / max(num_groups, 1)
         shared, chunks = self.micro_batches(seqs)
         states = self.use_states(seqs)
-        micro = tuple(self._pad([seqs[i] for i in idx], shared, scale, states) for idx in chunks)
+        groups = [[seqs[i] for i in idx] for idx in chunks]
+        shape = self.update_shape(groups, shared)
+        micro = tuple(self._pad(g, shared, scale, states, shape) for g in groups)
         route_batch = None
         if self.spec.num_subtask > 0:
             rows = next((b for b in self.cfg.route_buckets if b >= len(routes)), len(routes))
             route_batch = pad_routes(routes, rows=rows, k=self.cfg.top_k, scale=scale)
         return UpdateBatch(sequences=micro, routes=route_batch, reinforce=reinforce)
+
+    def update_shape(self, groups: Sequence[Sequence[SequenceExample]], shared: bool) -> tuple:
+        """The one padded shape of an update's micro-batches ``groups``: the element-wise max of
+        their own (``rl.batch.shared_shape`` (P, Lp, Lc) or ``sequence_shape`` (L, C))."""
+        c = self.cfg
+        if shared:
+            own = [shared_shape(g, buckets=c.completion_buckets or c.length_buckets) for g in groups]
+        else:
+            own = [sequence_shape(g, length_buckets=c.length_buckets, completion_buckets=c.completion_buckets)
+                   for g in groups]
+        if not own:
+            return None
+        return tuple(None if col[0] is None else max(col) for col in zip(*own))
 
     def micro_batches(self, seqs: Sequence[SequenceExample]) -> tuple[bool, list[list[int]]]:
         """(shared, index lists): the prompt-sharing layout when it at least halves the prompts run
@@ -484,21 +515,23 @@ class Trainer:
                 and all(e.prefix_states is not None for e in seqs))
 
     def _pad(self, chunk: Sequence[SequenceExample], shared: bool, scale: float = 1.0,
-             states: bool = False) -> SequenceBatch | SharedBatch:
+             states: bool = False, shape: tuple | None = None) -> SequenceBatch | SharedBatch:
         c = self.cfg
         if shared:
             return pad_shared(chunk, rows=c.micro_batch, buckets=c.completion_buckets or c.length_buckets,
-                              max_active=c.max_active, scale=scale, with_states=states)
+                              max_active=c.max_active, scale=scale, with_states=states, shape=shape)
         return pad_sequences(chunk, rows=c.micro_batch, length_buckets=c.length_buckets, max_active=c.max_active,
-                             scale=scale, completion_buckets=c.completion_buckets, with_states=states)
+                             scale=scale, completion_buckets=c.completion_buckets, with_states=states, shape=shape)
 
     def logprobs(self, bank, seqs: Sequence[SequenceExample]) -> list[np.ndarray]:
         """Per-example completion log-probs under ``bank`` (for checks against the sampler)."""
         out: list[np.ndarray | None] = [None] * len(seqs)
         shared, chunks = self.micro_batches(seqs)
         states = self.use_states(seqs)
-        for idx in chunks:
-            batch = self._pad([seqs[i] for i in idx], shared, states=states)
+        groups = [[seqs[i] for i in idx] for idx in chunks]
+        shape = self.update_shape(groups, shared)
+        for idx, group in zip(chunks, groups):
+            batch = self._pad(group, shared, states=states, shape=shape)
             lp = np.asarray(self.train_step.logprobs(self.frozen, bank=bank, batch=batch))
             for row, i in enumerate(idx):
                 p, n = len(seqs[i].prompt_ids), len(seqs[i].completion_ids)

@@ -1,11 +1,15 @@
-"""The pure update step (rl.update.train_step): same state and batch give the same result, and
-accumulating micro-batches gives the gradient of the summed per-example losses."""
+"""The pure update step (rl.update.train_step): same state and batch give the same result, it is
+one AdamW step on the summed gradients, and accumulating micro-batches gives the gradient of the
+summed per-example losses."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from morse_jax.models import ModelConfig, init_params
@@ -15,7 +19,7 @@ from morse_jax.rl.examples import RouteExample, SequenceExample
 from morse_jax.rl.batch import SequenceBatch, pad_routes, pad_sequences
 from morse_jax.rl.logprobs import sequence_logprobs
 from morse_jax.rl.update import (TrainConfig, TrainState, UpdateBatch, init_trainable, make_optimizer,
-                                 make_train_step)
+                                 make_train_step, route_gradients)
 
 CFG = ModelConfig(family="llama", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=8)
@@ -64,10 +68,33 @@ def test_train_step_is_pure(setup):
     assert m1.keys() == m2.keys()
     for k in m1:
         np.testing.assert_array_equal(m1[k], m2[k], err_msg=k)
-    # it moved the params, consumed the gradient sum, and left its input state alone
+    # it moved the params and left its input state alone
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(trainable)))
-    assert all(not np.any(x) for x in jax.tree.leaves(s1.grad_sum))
-    assert step.compile_count == 3  # LoRA micro-batch, route batch, optimiser: once each
+    assert step.compile_count == 3  # LoRA micro-batch, gradient sum, router + optimiser: once each
+
+
+def test_train_step_is_one_optimiser_step_on_the_summed_gradients(setup):
+    """The step equals AdamW applied once to (sum of the micro-batches' bank gradients, the
+    router's gradient), each computed on its own at the input params."""
+    frozen, trainable, seqs, routes = setup
+    tcfg = TCFG
+    step = make_train_step(CFG, SPEC, tcfg, start_layer=START)
+    route_batch = pad_routes(routes, rows=2, k=2)
+    tx = make_optimizer(tcfg)
+    state = TrainState.create(trainable, tx.init(trainable))
+    got, metrics = step(_copy(state), frozen, UpdateBatch(sequences=(_pad(seqs[:2]), _pad(seqs[2:])),
+                                                          routes=route_batch, reinforce=False))
+
+    bank = _reference_bank_grad(frozen, trainable["bank"], seqs)
+    router, _ = jax.jit(functools.partial(route_gradients, cfg=tcfg, reinforce=False))(
+        trainable["router"], frozen["embed"], route_batch)
+    grads = {"bank": bank, "router": router}
+    updates, _ = tx.update(grads, tx.init(trainable), trainable)
+    want = optax.apply_updates(trainable, updates)
+    for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(float(optax.global_norm(grads)), rel=1e-4)
+    assert int(got.opt_state.inner_states["lora"].inner_state[0].count) == 1
 
 
 def _reference_bank_grad(frozen, bank, seqs):
@@ -91,17 +118,15 @@ def _reference_bank_grad(frozen, bank, seqs):
 def test_accumulated_micro_batches_equal_one_batch_and_the_summed_losses(setup):
     frozen, trainable, seqs, _ = setup
     step = make_train_step(CFG, SPEC, TCFG, start_layer=START)
-    state0 = TrainState.create(trainable, make_optimizer(TCFG).init(trainable))
 
-    acc = _copy(state0)
+    acc = None
     for micro in (_pad(seqs[:1]), _pad(seqs[1:3]), _pad(seqs[3:])):  # k = 3 micro-batches
-        acc, _ = step.lora(acc, frozen, micro)
-    one, _ = step.lora(_copy(state0), frozen, _pad(seqs))
+        g, _ = step.lora(trainable, frozen, micro)
+        acc = g if acc is None else step.add(acc, g)
+    one, _ = step.lora(trainable, frozen, _pad(seqs))
     ref = _reference_bank_grad(frozen, trainable["bank"], seqs)
-    for got, big, want in zip(jax.tree.leaves(acc.grad_sum["bank"]), jax.tree.leaves(one.grad_sum["bank"]),
-                              jax.tree.leaves(ref)):
+    for got, big, want in zip(jax.tree.leaves(acc), jax.tree.leaves(one), jax.tree.leaves(ref)):
         scale = float(np.abs(want).max())
         assert scale > 0
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * scale, rtol=1e-4)
         np.testing.assert_allclose(np.asarray(big), np.asarray(want), atol=1e-5 * scale, rtol=1e-4)
-    assert all(not np.any(x) for x in jax.tree.leaves(acc.grad_sum["router"]))  # no route batch yet

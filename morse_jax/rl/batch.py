@@ -99,9 +99,20 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
     return int(np.ceil(n / buckets[-1]) * buckets[-1])
 
 
+def sequence_shape(examples: Sequence[SequenceExample], *, length_buckets: Sequence[int],
+                   completion_buckets: Sequence[int] | None = None) -> tuple[int, int | None]:
+    """(L, C) of :func:`pad_sequences` for ``examples``: L the bucket of the longest prompt +
+    completion, C (None without ``completion_buckets``) the bucket of the longest completion,
+    at most L. The element-wise max over several example sets fits them all."""
+    L = _bucket(max([len(e.prompt_ids) + len(e.completion_ids) for e in examples] + [1]), length_buckets)
+    if completion_buckets is None:
+        return L, None
+    return L, min(L, _bucket(max([len(e.completion_ids) for e in examples] + [1]), completion_buckets))
+
+
 def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buckets: Sequence[int],
                   max_active: int, scale: float = 1.0, completion_buckets: Sequence[int] | None = None,
-                  with_states: bool = False) -> SequenceBatch:
+                  with_states: bool = False, shape: tuple[int, int | None] | None = None) -> SequenceBatch:
     """Right-padded teacher-forcing batch (:class:`SequenceBatch`).
 
     Position t predicts token t+1; ``target_mask[n, t]`` is 1 where token t+1 was generated.
@@ -113,11 +124,16 @@ def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buck
     then repeats of its last one) and logit_mask f32[R, C] (1 on real entries), C the bucket of
     the longest completion, at most L: the LM head then runs at those positions only.
     With ``with_states``: states [R, L, d], every example's ``prefix_states`` (zeros at padding).
+    ``shape``: (L, C) to pad to instead of the examples' own buckets (:func:`sequence_shape`; at
+    least theirs), so that every micro-batch of an update has one shape: padding positions are
+    masked, so the log-probs, loss and gradients are those of the examples' own shape.
     """
     if len(examples) > rows:
         raise ValueError(f"{len(examples)} examples do not fit in {rows} rows")
-    longest = max([len(e.prompt_ids) + len(e.completion_ids) for e in examples] + [1])
-    L = _bucket(longest, length_buckets)
+    own = sequence_shape(examples, length_buckets=length_buckets, completion_buckets=completion_buckets)
+    L, C = own if shape is None else shape
+    if L < own[0] or (own[1] is None) != (C is None) or (C is not None and C < own[1]):
+        raise ValueError(f"shape {shape} does not fit these examples, which need {own}")
     out = {
         "tokens": np.zeros((rows, L), np.int32), "valid": np.zeros((rows, L), bool),
         "targets": np.zeros((rows, L), np.int32), "target_mask": np.zeros((rows, L), np.float32),
@@ -143,8 +159,7 @@ def pad_sequences(examples: Sequence[SequenceExample], *, rows: int, length_buck
         out["expert_trainable"][i] = _trainable_slots(e, max_active)
     if with_states:
         out["states"] = _stack_states(examples, rows, L, lambda e: (0, e.prefix_states))
-    if completion_buckets is not None:
-        C = min(L, _bucket(max([len(e.completion_ids) for e in examples] + [1]), completion_buckets))
+    if C is not None:
         out["logit_index"] = np.zeros((rows, C), np.int32)
         out["logit_mask"] = np.zeros((rows, C), np.float32)
         for i, e in enumerate(examples):
@@ -181,8 +196,20 @@ def group_order(examples: Sequence[SequenceExample]) -> list[int]:
     return sorted(range(len(examples)), key=lambda i: keys[i])
 
 
+def shared_shape(examples: Sequence[SequenceExample], *, buckets: Sequence[int]) -> tuple[int, int, int]:
+    """(P, Lp, Lc) of :func:`pad_shared` for ``examples``: P the power of two >= the number of
+    distinct (prompt, active set) keys, Lp / Lc the buckets of the longest prompt / completion.
+    The element-wise max over several example sets fits them all."""
+    keys = {share_key(e) for e in examples}
+    P = 1 << max(len(keys) - 1, 0).bit_length()
+    Lp = _bucket(max([len(e.prompt_ids) for e in examples] + [1]), buckets)
+    Lc = _bucket(max([len(e.completion_ids) for e in examples] + [1]), buckets)
+    return P, Lp, Lc
+
+
 def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Sequence[int], max_active: int,
-               scale: float = 1.0, with_states: bool = False) -> SharedBatch:
+               scale: float = 1.0, with_states: bool = False,
+               shape: tuple[int, int, int] | None = None) -> SharedBatch:
     """Prompt-sharing batch (:class:`SharedBatch`): each distinct (prompt, active set) is one prompt row, run once; every
     candidate row holds only its completion and attends to its prompt row's keys and values.
 
@@ -199,17 +226,22 @@ def pad_shared(examples: Sequence[SequenceExample], *, rows: int, buckets: Seque
     completion. Padding prompt rows repeat row 0; padding candidate rows have zero mask.
     With ``with_states``: prompt_states [P, Lp, d] (left-padded like the prompts) and states
     [R, Lc, d] (the completion positions), from the examples' ``prefix_states``.
+    ``shape``: (P, Lp, Lc) to pad to instead of the examples' own (:func:`shared_shape`; at least
+    theirs), so that every micro-batch of an update has one shape: padding prompt rows are read
+    by no candidate, left-padding and right-padding positions are masked, so the log-probs, loss
+    and gradients are those of the examples' own shape.
     """
     if len(examples) > rows:
         raise ValueError(f"{len(examples)} examples do not fit in {rows} rows")
+    own = shared_shape(examples, buckets=buckets)
+    P, Lp, Lc = own if shape is None else shape
+    if any(a < b for a, b in zip((P, Lp, Lc), own)):
+        raise ValueError(f"shape {shape} does not fit these examples, which need {own}")
     index: dict[tuple, int] = {}
     prompt_of = [index.setdefault(share_key(e), len(index)) for e in examples]
     uniq = [None] * len(index)
     for e, j in zip(examples, prompt_of):
         uniq[j] = uniq[j] or e
-    P = 1 << max(len(uniq) - 1, 0).bit_length()
-    Lp = _bucket(max([len(e.prompt_ids) for e in uniq] + [1]), buckets)
-    Lc = _bucket(max([len(e.completion_ids) for e in examples] + [1]), buckets)
     out = {
         "prompt_tokens": np.zeros((P, Lp), np.int32), "prompt_valid": np.zeros((P, Lp), bool),
         "prompt_expert_ids": np.zeros((P, max_active), np.int32),

@@ -2,7 +2,8 @@
 
 Longer than 400 lines because the step and its host driver stay together, so that callers
 import one module. Layout: :class:`TrainConfig` and the optimiser; :class:`TrainState` and the pure
-pieces of :func:`train_step` (``lora_gradients``, ``route_gradients``, ``apply_gradients``),
+pieces of the step (``lora_gradients``, ``add_gradients``, ``finish_step`` = ``route_gradients``
++ ``apply_gradients``),
 jitted plainly or with shardings (``make_train_step`` / ``make_sharded_train_step``); the
 :class:`Trainer`, a thin host driver that pads, buckets and calls the step.
 
@@ -21,8 +22,9 @@ The regularisers enter every update that runs (also when no route has a non-zero
 update runs when some candidate or route carries a non-zero advantage. A merge candidate's
 inherited subtask experts are in its forward pass but get no gradient from it
 (``SequenceExample.expert_trainable``). Gradients are sums over candidates, so micro-batches
-accumulate exactly: :class:`TrainState` carries the running sum (``grad_sum``), each micro-batch
-adds its gradient to it on device, and the optimiser step consumes it (:func:`train_step`). ``ppo_epochs`` passes over the same examples each take an
+accumulate exactly: each micro-batch's gradient is its own program at the current params, summed
+on device, and one last program adds the router's gradient and steps the optimiser
+(:class:`TrainStep`). ``ppo_epochs`` passes over the same examples each take an
 optimiser step; the old log-probs stay the sampler's, so the PPO clip acts from the second pass.
 
 Cost (see bench/train_step.py): only the last L_adapt layers are differentiated (the frozen
@@ -56,7 +58,7 @@ from morse_jax.parallel.sharding import batch_shardings, param_shardings, replic
 from morse_jax.rl import losses
 from morse_jax.rl.examples import RouteExample, SequenceExample
 from morse_jax.rl.batch import (RouteBatch, SequenceBatch, SharedBatch, group_order, pad_routes, pad_sequences,
-                                pad_shared, share_key)
+                                pad_shared, sequence_shape, share_key, shared_shape)
 from morse_jax.rl.logprobs import sequence_logprobs
 
 
@@ -87,11 +89,13 @@ class TrainConfig:
     micro_batch: int = 8
     length_buckets: tuple[int, ...] = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
     # LM-head positions per row (the longest completion's bucket) and, with share_prompts, the
-    # prompt and completion lengths: 1/8-octave steps, so padding wastes at most ~20 % (a 194-token
-    # completion pads to 224, not 256) for a bounded number of compiles. None: head everywhere.
+    # prompt and completion lengths: half-octave steps (powers of two and 1.5x), so padding wastes
+    # at most a third, while an update's largest prompt and completion (every micro-batch of an
+    # update pads to them, Trainer.update_shape) mostly land in the bucket of the previous update's
+    # and reuse its compiled program (with 1/8-octave steps a largest prompt ~10 % longer was a
+    # new shape, i.e. a compile). None: head everywhere.
     completion_buckets: tuple[int, ...] | None = (
-        16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
-        1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
+        16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
     route_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
     # run a prompt once for all candidates sharing it and their active set (rl.batch.pad_shared)
     # in updates where that at least halves the prompts run; prompts and completions then pad to
@@ -148,34 +152,35 @@ class TrainState:
 
     params: {"bank": expert bank, "router": router params}, the only differentiated tree.
     opt_state: ``make_optimizer(cfg)``'s state over ``params`` (its Adam counts are the step).
-    grad_sum: a tree like ``params``: this update's gradients summed so far over its micro-batches
-      and route batch; zeros between updates (``apply_gradients`` consumes and resets it).
-    No PRNG key: nothing in the update is random.
+    No gradient sum (an update's gradients live only inside :meth:`TrainStep.__call__`) and no
+    PRNG key (nothing in the update is random).
     """
 
     params: Any
     opt_state: Any
-    grad_sum: Any
 
     @classmethod
     def create(cls, params, opt_state) -> "TrainState":
-        return cls(params=params, opt_state=opt_state, grad_sum=jax.tree.map(jnp.zeros_like, params))
+        return cls(params=params, opt_state=opt_state)
 
 
 @struct.dataclass
 class UpdateBatch:
     """One optimiser step's data: ``sequences`` the LoRA micro-batches (one layout, all
     ``SequenceBatch`` or all ``SharedBatch``), ``routes`` the router batch or None (no subtask
-    experts); ``reinforce`` (static) selects the router's REINFORCE form (first PPO pass)."""
+    experts); ``reinforce`` selects the router's REINFORCE form (first PPO pass of the first
+    training step; a traced flag in the step, so both forms share one program)."""
 
     sequences: tuple
     routes: RouteBatch | None
     reinforce: bool = struct.field(pytree_node=False, default=True)
 
 
-def lora_gradients(state: TrainState, frozen, batch: SequenceBatch | SharedBatch, *, model_cfg: ModelConfig,
-                   spec: ExpertBankSpec, cfg: TrainConfig, start_layer: int) -> tuple[TrainState, dict]:
-    """Add one micro-batch's LoRA-loss gradient (w.r.t. the bank) to ``state.grad_sum``.
+def lora_gradients(params, frozen, batch: SequenceBatch | SharedBatch, *, model_cfg: ModelConfig,
+                   spec: ExpertBankSpec, cfg: TrainConfig, start_layer: int) -> tuple[Any, dict]:
+    """One micro-batch's LoRA-loss gradient w.r.t. the bank: (a tree like ``params["bank"]``,
+    metrics). A function of ``params`` alone (no running sum), so the micro-batches of an update
+    are independent programs that the runtime may overlap.
 
     Metrics (float32 scalars): lora_loss, clip_fraction, approx_kl, ratio_mean (token means),
     logp_gap_max / logp_gap_mean (|new - behaviour| log-prob), token_nll, tokens (mask sum),
@@ -200,15 +205,21 @@ def lora_gradients(state: TrainState, frozen, batch: SequenceBatch | SharedBatch
              "token_nll": -(jax.lax.stop_gradient(new_logp) * mask).sum() / n_tok, "tokens": mask.sum()}
         return loss, m
 
-    (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params["bank"])
-    grad_sum = {**state.grad_sum, "bank": jax.tree.map(jnp.add, state.grad_sum["bank"], g)}
-    return state.replace(grad_sum=grad_sum), {**metrics, "lora_loss": loss}
+    (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params["bank"])
+    return g, {**metrics, "lora_loss": loss}
 
 
-def route_gradients(state: TrainState, embed, batch: RouteBatch, *, cfg: TrainConfig,
-                    reinforce: bool) -> tuple[TrainState, dict]:
-    """Add the router loss's gradient (Eq. 8 plus the entropy and orthogonality regularisers,
-    w.r.t. the router) to ``state.grad_sum``. ``embed``: the backbone's input embedding [V, d].
+def add_gradients(total, g):
+    """``total + g`` leaf by leaf (the running sum of an update's micro-batch gradients)."""
+    return jax.tree.map(jnp.add, total, g)
+
+
+def route_gradients(router, embed, batch: RouteBatch, *, cfg: TrainConfig, reinforce) -> tuple[Any, dict]:
+    """The router loss's gradient (Eq. 8 plus the entropy and orthogonality regularisers) w.r.t.
+    ``router`` (a tree like ``params["router"]``), and metrics. ``embed``: the backbone's input
+    embedding [V, d]. ``reinforce``: a Python bool, or a bool[] array (both forms traced, one
+    program for either value: the first training step takes the REINFORCE form, the next ones
+    the PPO one).
 
     Metrics: router_loss, clip_fraction, ratio_mean, routing_entropy, orthogonality (scalars),
     expert_usage f32[num_subtask] (route members counted over real rows).
@@ -220,8 +231,14 @@ def route_gradients(state: TrainState, embed, batch: RouteBatch, *, cfg: TrainCo
         probs = rt.router_probs(router, emb, temperature=c.router_temperature)
         set_fn = rt.approx_set_log_prob if c.approx_set_logp else rt.set_log_prob
         set_logp = set_fn(probs, batch.members)
-        loss, m = losses.router_loss(set_logp, batch.old_set_logp, batch.advantages, alpha_pi=c.alpha_pi,
-                                     eps=c.ppo_eps, reinforce=reinforce)
+        def form(reinforce: bool):
+            return losses.router_loss(set_logp, batch.old_set_logp, batch.advantages, alpha_pi=c.alpha_pi,
+                                      eps=c.ppo_eps, reinforce=reinforce)
+
+        if isinstance(reinforce, bool):
+            loss, m = form(reinforce)
+        else:
+            loss, m = jax.lax.cond(reinforce, lambda: form(True), lambda: form(False))
         w = batch.row_mask
         ent = jnp.sum(losses.routing_entropy(probs) * w) / jnp.maximum(w.sum(), 1.0)
         ortho = losses.prototype_orthogonality(router["prototypes"])
@@ -230,26 +247,41 @@ def route_gradients(state: TrainState, embed, batch: RouteBatch, *, cfg: TrainCo
         return total, {**m, "router_loss": loss, "routing_entropy": ent, "orthogonality": ortho,
                        "expert_usage": usage}
 
-    (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params["router"])
-    grad_sum = {**state.grad_sum, "router": jax.tree.map(jnp.add, state.grad_sum["router"], g)}
-    return state.replace(grad_sum=grad_sum), metrics
+    (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(router)
+    return g, metrics
 
 
-def apply_gradients(state: TrainState, *, tx: optax.GradientTransformation) -> tuple[TrainState, dict]:
-    """One optimiser step with ``state.grad_sum``, which is then reset to zeros.
+def apply_gradients(state: TrainState, grads, *, tx: optax.GradientTransformation) -> tuple[TrainState, dict]:
+    """One optimiser step with ``grads`` (a tree like ``state.params``).
     Metrics: grad_norm, grad_norm_lora, grad_norm_router (before any clipping)."""
-    grads = state.grad_sum
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     norms = {"grad_norm": optax.global_norm(grads), "grad_norm_lora": optax.global_norm(grads["bank"]),
              "grad_norm_router": optax.global_norm(grads["router"])}
-    return TrainState(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
-                      grad_sum=jax.tree.map(jnp.zeros_like, grads)), norms
+    return TrainState(params=optax.apply_updates(state.params, updates), opt_state=opt_state), norms
 
 
-def combine_metrics(lora_parts: Sequence[dict], route_metrics: dict | None) -> dict:
-    """One update's metrics (host numpy) from its micro-batches' and route batch's: lora_loss
-    summed, logp_gap_max the max, the other LoRA metrics token-weighted means."""
-    metrics = {k: np.asarray(v) for k, v in (route_metrics or {}).items()}
+def finish_step(state: TrainState, bank_grad, embed, routes: RouteBatch | None, reinforce, *, cfg: TrainConfig,
+                tx: optax.GradientTransformation) -> tuple[TrainState, dict]:
+    """The end of a step, one program: the router's gradient (:func:`route_gradients`, when there
+    is a route batch; ``reinforce`` a bool[] array) next to ``bank_grad`` (the micro-batches'
+    summed LoRA gradient, or None: zeros), then :func:`apply_gradients`. Returns (state, route
+    metrics + norms)."""
+    params = state.params
+    bank = jax.tree.map(jnp.zeros_like, params["bank"]) if bank_grad is None else bank_grad
+    metrics: dict = {}
+    if routes is None:
+        router = jax.tree.map(jnp.zeros_like, params["router"])
+    else:
+        router, metrics = route_gradients(params["router"], embed, routes, cfg=cfg, reinforce=reinforce)
+    state, norms = apply_gradients(state, {"bank": bank, "router": router}, tx=tx)
+    return state, {**metrics, **norms}
+
+
+def combine_metrics(lora_parts: Sequence[dict], finish_metrics: dict) -> dict:
+    """One update's metrics (host numpy) from its micro-batches' and its finish program's (route
+    metrics, norms): lora_loss summed, logp_gap_max the max, the other LoRA metrics
+    token-weighted means."""
+    metrics = {k: np.asarray(v) for k, v in finish_metrics.items()}
     if lora_parts:
         tok = sum(float(p["tokens"]) for p in lora_parts)
         metrics["lora_loss"] = sum(float(p["lora_loss"]) for p in lora_parts)
@@ -264,16 +296,21 @@ def combine_metrics(lora_parts: Sequence[dict], route_metrics: dict | None) -> d
 class TrainStep:
     """``train_step(state, frozen, batch) -> (state, metrics)`` from the jitted pure pieces.
 
-    The pieces are jitted separately, each once per batch layout (shape signature): the number
-    of micro-batches varies from update to update (it follows the candidates with a non-zero
-    advantage), and a step jitted as a whole (``lax.scan`` over stacked micro-batches) would
-    compile again for every new count. The sum is still formed on device, inside the jitted
-    gradient function (``TrainState.grad_sum``). ``compile_count`` counts traces of the three.
+    Per micro-batch one ``lora`` program (its gradient at ``state.params``), summed on device by
+    ``add`` (a small program that donates the running sum); then one ``finish`` program (router
+    gradient + AdamW) that donates the state. The micro-batch programs depend on the
+    params only, not on each other, so they are dispatched back to back and the runtime may
+    overlap them (a running sum threaded through them as a state field made each wait for the
+    previous one, and copied the params and optimiser state through every program); nothing
+    goes back to the host until the step's programs are all dispatched. The pieces are jitted separately, each once per batch layout
+    (shape signature): the number of micro-batches varies from update to update (it follows
+    the candidates with a non-zero advantage), and a step jitted as a whole would compile again
+    for every new count. ``compile_count`` counts traces of the three.
     """
 
-    lora: Callable  # (state, frozen, SequenceBatch | SharedBatch) -> (state, metrics)
-    routes: Callable  # (state, embed, RouteBatch, reinforce=bool) -> (state, metrics)
-    apply: Callable  # (state) -> (state, norms); donates the state
+    lora: Callable  # (params, frozen, SequenceBatch | SharedBatch) -> (bank grad, metrics)
+    add: Callable  # (sum, grad) -> sum; donates the sum
+    finish: Callable  # (state, bank grad | None, embed, RouteBatch | None, bool[]) -> (state, metrics)
     logprobs: Callable  # (frozen, bank=, batch=) -> float32[R, L] or [R, Lc]
     traces: list = dataclasses.field(default_factory=list)
 
@@ -282,19 +319,15 @@ class TrainStep:
         return len(self.traces)
 
     def __call__(self, state: TrainState, frozen, batch: UpdateBatch, progress=None) -> tuple[TrainState, dict]:
-        parts = []
+        parts, total = [], None
         for micro in batch.sequences:
-            state, m = self.lora(state, frozen, micro)
+            g, m = self.lora(state.params, frozen, micro)
+            total = g if total is None else self.add(total, g)
             parts.append(m)
             if progress is not None:
                 progress(1)
-        route_metrics = None
-        if batch.routes is not None:
-            state, route_metrics = self.routes(state, frozen["embed"], batch.routes, reinforce=batch.reinforce)
-        metrics = combine_metrics(parts, route_metrics)
-        state, norms = self.apply(state)
-        metrics.update(norms)
-        return state, metrics
+        state, finish_metrics = self.finish(state, total, frozen["embed"], batch.routes, np.bool_(batch.reinforce))
+        return state, combine_metrics(parts, finish_metrics)
 
 
 def _traced(fn: Callable, traces: list, name: str) -> Callable:
@@ -309,24 +342,25 @@ def _traced(fn: Callable, traces: list, name: str) -> Callable:
 
 
 def _pure_pieces(model_cfg: ModelConfig, spec: ExpertBankSpec, cfg: TrainConfig, start_layer: int, traces: list):
-    statics = dict(model_cfg=model_cfg, spec=spec, cfg=cfg, start_layer=start_layer)
-    lora = _traced(functools.partial(lora_gradients, **statics), traces, "lora")
-    routes = _traced(functools.partial(route_gradients, cfg=cfg), traces, "routes")
-    apply = _traced(functools.partial(apply_gradients, tx=make_optimizer(cfg)), traces, "apply")
+    lora = _traced(functools.partial(lora_gradients, model_cfg=model_cfg, spec=spec, cfg=cfg,
+                                     start_layer=start_layer), traces, "lora")
+    add = _traced(add_gradients, traces, "add")
+    finish = _traced(functools.partial(finish_step, cfg=cfg, tx=make_optimizer(cfg)), traces, "finish")
 
     def logprobs(frozen, bank, batch):
         return sequence_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer)
 
-    return lora, routes, apply, logprobs
+    return lora, add, finish, logprobs
 
 
 def make_train_step(model_cfg: ModelConfig, spec: ExpertBankSpec, cfg: TrainConfig, *,
                     start_layer: int) -> TrainStep:
     """The step on one device (or wherever the arguments live): plain ``jax.jit``."""
     traces: list = []
-    lora, routes, apply, logprobs = _pure_pieces(model_cfg, spec, cfg, start_layer, traces)
-    return TrainStep(lora=jax.jit(lora), routes=jax.jit(routes, static_argnames=("reinforce",)),
-                     apply=jax.jit(apply, donate_argnums=(0,)), logprobs=jax.jit(logprobs), traces=traces)
+    lora, add, finish, logprobs = _pure_pieces(model_cfg, spec, cfg, start_layer, traces)
+    return TrainStep(lora=jax.jit(lora), add=jax.jit(add, donate_argnums=(0,)),
+                     finish=jax.jit(finish, donate_argnums=(0,)),
+                     logprobs=jax.jit(logprobs), traces=traces)
 
 
 def make_sharded_train_step(mesh, frozen, model_cfg: ModelConfig, spec: ExpertBankSpec, cfg: TrainConfig, *,
@@ -338,16 +372,19 @@ def make_sharded_train_step(mesh, frozen, model_cfg: ModelConfig, spec: ExpertBa
     f_sh = param_shardings(mesh, frozen, model_cfg)
     rep = replicated(mesh)
     traces: list = []
-    lora, routes, apply, logprobs = _pure_pieces(model_cfg, spec, cfg, start_layer, traces)
+    lora, add, finish, logprobs = _pure_pieces(model_cfg, spec, cfg, start_layer, traces)
 
     def like(tree):
         return jax.tree.map(lambda _: rep, tree)
 
+    def finish_shardings(a, _):
+        routes = None if a[3] is None else batch_shardings(mesh, a[3])
+        return (like(a[0]), like(a[1]), f_sh["embed"], routes, rep), rep
+
     step = TrainStep(
         lora=ShapeKeyedJit(lora, lambda a, _: ((like(a[0]), f_sh, batch_shardings(mesh, a[2])), rep)),
-        routes=ShapeKeyedJit(routes, lambda a, _: ((like(a[0]), f_sh["embed"], batch_shardings(mesh, a[2])), rep),
-                             static_argnames=("reinforce",)),
-        apply=ShapeKeyedJit(apply, lambda a, _: ((like(a[0]),), rep), donate_argnums=(0,)),
+        add=ShapeKeyedJit(add, lambda a, _: ((like(a[0]), like(a[1])), rep), donate_argnums=(0,)),
+        finish=ShapeKeyedJit(finish, finish_shardings, donate_argnums=(0,)),
         logprobs=ShapeKeyedJit(logprobs, lambda a, _: ((f_sh, like(a[1]), batch_shardings(mesh, a[2])), rep)),
         traces=traces)
     return frozen, step
@@ -416,16 +453,35 @@ class Trainer:
 
     def batch(self, seqs: Sequence[SequenceExample], routes: Sequence[RouteExample], *, num_groups: int,
               reinforce: bool = True) -> UpdateBatch:
-        """The padded :class:`UpdateBatch` of one update (advantages scaled by 1/num_groups)."""
+        """The padded :class:`UpdateBatch` of one update (advantages scaled by 1/num_groups).
+
+        Every micro-batch of the update is padded to one shape (:meth:`update_shape`), so an
+        update compiles at most one LoRA program and consecutive updates, whose largest prompt
+        and completion mostly fall in the same bucket, reuse it."""
         scale = 1.0 / max(num_groups, 1)
         shared, chunks = self.micro_batches(seqs)
         states = self.use_states(seqs)
-        micro = tuple(self._pad([seqs[i] for i in idx], shared, scale, states) for idx in chunks)
+        groups = [[seqs[i] for i in idx] for idx in chunks]
+        shape = self.update_shape(groups, shared)
+        micro = tuple(self._pad(g, shared, scale, states, shape) for g in groups)
         route_batch = None
         if self.spec.num_subtask > 0:
             rows = next((b for b in self.cfg.route_buckets if b >= len(routes)), len(routes))
             route_batch = pad_routes(routes, rows=rows, k=self.cfg.top_k, scale=scale)
         return UpdateBatch(sequences=micro, routes=route_batch, reinforce=reinforce)
+
+    def update_shape(self, groups: Sequence[Sequence[SequenceExample]], shared: bool) -> tuple:
+        """The one padded shape of an update's micro-batches ``groups``: the element-wise max of
+        their own (``rl.batch.shared_shape`` (P, Lp, Lc) or ``sequence_shape`` (L, C))."""
+        c = self.cfg
+        if shared:
+            own = [shared_shape(g, buckets=c.completion_buckets or c.length_buckets) for g in groups]
+        else:
+            own = [sequence_shape(g, length_buckets=c.length_buckets, completion_buckets=c.completion_buckets)
+                   for g in groups]
+        if not own:
+            return None
+        return tuple(None if col[0] is None else max(col) for col in zip(*own))
 
     def micro_batches(self, seqs: Sequence[SequenceExample]) -> tuple[bool, list[list[int]]]:
         """(shared, index lists): the prompt-sharing layout when it at least halves the prompts run
@@ -459,21 +515,23 @@ class Trainer:
                 and all(e.prefix_states is not None for e in seqs))
 
     def _pad(self, chunk: Sequence[SequenceExample], shared: bool, scale: float = 1.0,
-             states: bool = False) -> SequenceBatch | SharedBatch:
+             states: bool = False, shape: tuple | None = None) -> SequenceBatch | SharedBatch:
         c = self.cfg
         if shared:
             return pad_shared(chunk, rows=c.micro_batch, buckets=c.completion_buckets or c.length_buckets,
-                              max_active=c.max_active, scale=scale, with_states=states)
+                              max_active=c.max_active, scale=scale, with_states=states, shape=shape)
         return pad_sequences(chunk, rows=c.micro_batch, length_buckets=c.length_buckets, max_active=c.max_active,
-                             scale=scale, completion_buckets=c.completion_buckets, with_states=states)
+                             scale=scale, completion_buckets=c.completion_buckets, with_states=states, shape=shape)
 
     def logprobs(self, bank, seqs: Sequence[SequenceExample]) -> list[np.ndarray]:
         """Per-example completion log-probs under ``bank`` (for checks against the sampler)."""
         out: list[np.ndarray | None] = [None] * len(seqs)
         shared, chunks = self.micro_batches(seqs)
         states = self.use_states(seqs)
-        for idx in chunks:
-            batch = self._pad([seqs[i] for i in idx], shared, states=states)
+        groups = [[seqs[i] for i in idx] for idx in chunks]
+        shape = self.update_shape(groups, shared)
+        for idx, group in zip(chunks, groups):
+            batch = self._pad(group, shared, states=states, shape=shape)
             lp = np.asarray(self.train_step.logprobs(self.frozen, bank=bank, batch=batch))
             for row, i in enumerate(idx):
                 p, n = len(seqs[i].prompt_ids), len(seqs[i].completion_ids)

@@ -20,6 +20,18 @@ larger bounds the step), with our fraction of it.
 
 Usage:  python bench/sampler.py [--batches 1,4,16] [--reps 3] [--new 128] [--prompt 200]
         [--ours-only] [--sampler-config "dict(decode_path='model')"]
+        python bench/sampler.py --refill [--requests 64] [--reps 3]
+
+``--refill``: slot refill (``sampler.refill``) vs static micro-batches, both ours, interleaved,
+on a recorded completion-length distribution (``bench/data/completion_lengths.json``: prompt
+and generated lengths of every completion of a short learn_cpu run, how it was recorded is in
+the file). ``--requests`` requests take those lengths (each request's budget is its recorded
+length, so it stops where the recorded one stopped), max_batch 16 slots / rows. Prints
+generated tokens per second, decode-only (the sampler's decode_s: for refill this includes its
+host loop and cache compaction; the one-row prefills and their placement count as prefill) and
+end to end (prefill included), for both and their ratios:
+
+    refill 32 requests: decode-only refill 120.0 tok/s, static 60.0 tok/s, 2.00x; end to end ...
 
 Measured on this machine (2 shared AMD EPYC cores, AVX-512, 20-25 GB/s from one core and ~30
 from both, 170-195 GFLOP/s at 2048^3; run-to-run noise about +-5-10 %, more while others run
@@ -178,7 +190,11 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--ours-only", action="store_true")
     ap.add_argument("--sampler-config", default="dict()", help="SamplerConfig overrides, a Python dict literal")
+    ap.add_argument("--refill", action="store_true", help="slot refill vs static batching on recorded lengths")
+    ap.add_argument("--requests", type=int, default=64, help="with --refill: requests per generate call")
     args = ap.parse_args(argv)
+    if args.refill:
+        return bench_refill(args)
     warnings.simplefilter("ignore")
     import jax
     import jax.numpy as jnp
@@ -280,6 +296,63 @@ def main(argv=None) -> None:
         print(f"#   batch {B}: {nbytes / 1e6:.0f} MB, {flops / 1e9:.2f} GFLOP per step -> roofline "
               f"{1e3 * t_roof:.1f} ms/step ({B / t_roof:.0f} tok/s); ours {1e3 * dec:.1f} ms/step = "
               f"{t_roof / dec:.0%} of roofline", flush=True)
+
+
+LENGTHS = Path(__file__).resolve().parent / "data" / "completion_lengths.json"
+
+
+def bench_refill(args) -> None:
+    """Slot refill vs static micro-batches (both ours), interleaved, on recorded lengths."""
+    import json
+
+    import jax
+
+    from morse_jax.models import embedded_model_path, load_backbone
+    from morse_jax.mole.experts import ExpertBankSpec, execute_set, init_expert_bank
+    from morse_jax.sampling.sampler import Request, Sampler, SamplerConfig
+
+    rec = json.loads(LENGTHS.read_text())
+    pairs = list(zip(rec["prompt"], rec["generated"]))
+    rng = np.random.default_rng(0)
+    pick = [pairs[i] for i in rng.choice(len(pairs), size=args.requests, replace=len(pairs) < args.requests)]
+    gen = [g for _, g in pick]
+    print(f"# load {os.getloadavg()[0]:.1f}; {args.requests} requests from {LENGTHS.name} ({len(pairs)} recorded): "
+          f"generated mean {np.mean(gen):.1f}, median {np.median(gen):.0f}, max {max(gen)}; prompt mean "
+          f"{np.mean([p for p, _ in pick]):.0f}", flush=True)
+    bb = load_backbone(embedded_model_path())
+    spec = ExpertBankSpec()
+    bank = init_expert_bank(jax.random.PRNGKey(0), bb.config, spec)
+    overrides = eval(args.sampler_config)  # noqa: S307 - a developer's command line
+    samplers = {name: Sampler(bb, spec, SamplerConfig(max_batch=16, refill=name == "refill", **overrides))
+                for name in ("refill", "static")}
+    tok = bb.tokenizer
+    src = "\n".join(p.read_text() for p in sorted((Path(__file__).resolve().parents[1] / "morse_jax").rglob("*.py")))
+    corpus = tok(src, add_special_tokens=False)["input_ids"]
+    requests = []
+    for i, (p, g) in enumerate(pick):
+        s = execute_set(spec, [i % 4], role="execute")
+        # no stop token: each request runs exactly its recorded length (its budget)
+        requests.append(Request(corpus[997 * i: 997 * i + p], expert_ids=[e for e, _ in s],
+                                expert_weights=[w for _, w in s], max_new_tokens=max(1, g), temperature=0.8,
+                                top_p=0.95, seed=i))
+    total = sum(max(1, g) for g in gen)
+    times = {name: [] for name in samplers}
+    for rep in range(args.reps + 1):  # rep 0 compiles
+        for name, smp in samplers.items():
+            t = time.perf_counter()
+            out = smp.generate(bank, requests, key=jax.random.PRNGKey(rep))
+            el = time.perf_counter() - t
+            assert sum(len(c.token_ids) for c in out) == total
+            st = smp.last_stats
+            print(f"#   {name}{'' if rep else ' (compiles)'}: {el:.1f} s (prefill {st['prefill_s']:.1f} s, decode "
+                  f"{st['decode_s']:.1f} s, {st['decode_steps']} steps), load {os.getloadavg()[0]:.1f}", flush=True)
+            if rep:
+                times[name].append((el, st["decode_s"]))
+    med = {name: [statistics.median(x) for x in zip(*t)] for name, t in times.items()}
+    (e2e_r, dec_r), (e2e_s, dec_s) = med["refill"], med["static"]
+    print(f"refill {args.requests} requests: decode-only refill {total / dec_r:.1f} tok/s, static "
+          f"{total / dec_s:.1f} tok/s, {dec_s / dec_r:.2f}x; end to end (prefill included) "
+          f"{total / e2e_r:.1f} vs {total / e2e_s:.1f} tok/s, {e2e_s / e2e_r:.2f}x", flush=True)
 
 
 class TorchPeer:

@@ -75,7 +75,7 @@ def test_initial_state_is_empty_and_optionally_captures():
 
 def test_record_tokens_finish_rules():
     # rows: 0 draws a stop id, 1 reaches its budget, 2 was already done, 3 keeps going
-    s = _state([False, False, True, False], n_gen=(0, 1, 2, 0), step=1)
+    s = _state([False, False, True, False], n_gen=(1, 1, 2, 1), step=1)  # tokens go to column n_gen
     settings = DecodeSettings(temperature=jnp.ones(4), top_k=jnp.zeros(4, jnp.int32), top_p=jnp.ones(4),
                               max_new=jnp.array([4, 2, 4, 4], jnp.int32),
                               stop_ids=jnp.array([[7, -1], [7, -1], [7, -1], [7, -1]], jnp.int32))
@@ -86,7 +86,7 @@ def test_record_tokens_finish_rules():
     np.testing.assert_array_equal(active, [True, True, False, True])
     np.testing.assert_array_equal(out.tokens[:, 1], [7, 3, 0, 2])  # a done row records 0
     np.testing.assert_array_equal(out.logps[:, 1], [-0.5, -1.0, 0.0, -3.0])
-    np.testing.assert_array_equal(out.n_gen, [1, 2, 2, 1])
+    np.testing.assert_array_equal(out.n_gen, [2, 2, 2, 2])
     np.testing.assert_array_equal(out.reason, [REASON_EOS, REASON_LENGTH, 0, 0])
     np.testing.assert_array_equal(out.done, [True, True, True, False])
     assert int(out.step) == 1 and out.key is key  # the step counter belongs to the loop body

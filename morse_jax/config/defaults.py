@@ -135,6 +135,9 @@ def get_config() -> ml_collections.ConfigDict:
     # native C++ CPU kernels for decode steps (built with g++ at first use): auto | on | off
     # (auto: where they apply, XLA otherwise; see SamplerConfig.cpu_kernels)
     c.sampler.cpu_kernels = "auto"
+    # slot refill: a finished row's slot takes the next queued request of the same generate call
+    # instead of idling until its micro-batch ends (SamplerConfig.refill, sampling/refill.py)
+    c.sampler.refill = False
 
     c.moragent = moragent_defaults()
 

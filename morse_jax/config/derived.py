@@ -73,7 +73,8 @@ def sampler_config(cfg, *, return_prefix_states: bool = False) -> SamplerConfig:
     return SamplerConfig(batch_buckets=buckets_up_to(d.batch_buckets, cfg.sampler.max_batch),
                          prompt_buckets=prompts, new_token_buckets=new_tokens,
                          max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk, max_active=max_active(cfg),
-                         return_prefix_states=return_prefix_states, cpu_kernels=cfg.sampler.cpu_kernels)
+                         return_prefix_states=return_prefix_states, cpu_kernels=cfg.sampler.cpu_kernels,
+                         refill=bool(cfg.sampler.get("refill", False)))
 
 
 def train_steps(cfg, n_train_tasks: int) -> int:

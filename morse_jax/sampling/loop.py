@@ -168,11 +168,14 @@ def prefill(lc: LoopConfig, params, bank, batch: PromptBatch, experts: ExpertSlo
 
 
 def decode(lc: LoopConfig, params, bank, state: SamplingState, experts: ExpertSlots, settings: DecodeSettings,
-           stop_end: jax.Array) -> SamplingState:
-    """Decode steps until ``stop_end`` (int32[]) steps are done or every row is done.
+           stop_end: jax.Array, done_limit: jax.Array | None = None) -> SamplingState:
+    """Decode steps until ``stop_end`` (int32[]) steps are done or every row is done (or, with
+    ``done_limit`` int32[], until that many rows are done: ``sampling.refill`` stops at the first
+    finished row to give its slot the next request).
 
-    Each step draws a token per row from ``state.logits`` (``select_tokens``), records it and the
-    rows that finish (``record_tokens``), and runs the model on it for the next logits.
+    Each step draws a token per row from ``state.logits`` (``select_tokens``, with the row's key
+    folded with its token index: ``SamplingState.key``), records it and the rows that finish
+    (``record_tokens``), and runs the model on it for the next logits.
     """
     lora = row_lora(lc, bank, experts)
     rope = None
@@ -180,15 +183,19 @@ def decode(lc: LoopConfig, params, bank, state: SamplingState, experts: ExpertSl
         rope = rope_tables_for(lc.cfg, state.cache["valid"].shape[1], params["embed"].dtype)
 
     def cond(s):
-        return (s.step < stop_end) & ~jnp.all(s.done)
+        go = (s.step < stop_end) & ~jnp.all(s.done)
+        return go if done_limit is None else go & (jnp.sum(s.done) < done_limit)
 
     def body(s):
-        key, sub = jax.random.split(s.key)
-        tok, lp = select_tokens(sub, s.logits, settings.temperature, settings.top_k, settings.top_p,
+        draw = jax.vmap(jax.random.fold_in)(s.key, s.n_gen)  # row's key, its token index
+        tok, lp = select_tokens(draw, s.logits, settings.temperature, settings.top_k, settings.top_p,
                                 k_cap=lc.k_cap, barrier=lc.barrier)
-        s, active = record_tokens(s, key, tok, lp, settings)
+        s, active = record_tokens(s, s.key, tok, lp, settings)
         out = _step(lc, params, tok, active, s.pos, s.cache, lora, rope)
-        states = s.states if lc.capture_layer is None else s.states.at[:, s.step].set(out[2])
+        states = s.states
+        if lc.capture_layer is not None:  # the consumed token's column: n_gen - 1 (inactive rows: dropped)
+            col = jnp.where(active, s.n_gen - 1, states.shape[1])
+            states = states.at[jnp.arange(states.shape[0]), col].set(out[2].astype(states.dtype), mode="drop")
         return s.replace(logits=out[0], cache=out[1], pos=s.pos + active, step=s.step + 1, states=states)
 
     return jax.lax.while_loop(cond, body, state)

@@ -36,6 +36,9 @@ class Request:
     role / prompt_roles: for a sampler with a role adapter (MoRAgent, ``loop.RoleAdapter``): the
     role id of the generated tokens (the turn being generated) and of each prompt token (empty =
     NO_ROLE everywhere); NO_ROLE (-1) tokens get no adapter.
+    seed: the request's random stream: its k-th token is drawn with ``fold_in(fold_in(key, seed),
+    k)`` (``key``: ``generate``'s), so it gets the same tokens alone, in any batch or refilled
+    into any slot (``SamplerConfig.refill``). None: its index in the ``generate`` call.
     """
 
     prompt_ids: Sequence[int]
@@ -50,6 +53,7 @@ class Request:
     heal_tokens: int = 0
     role: int = NO_ROLE
     prompt_roles: Sequence[int] = ()
+    seed: int | None = None
 
     def validate(self, index: int = 0) -> None:
         where = f"requests[{index}]"
@@ -67,6 +71,8 @@ class Request:
             raise ValueError(f"{where}: expert_ids and expert_weights differ in length")
         if not 0 <= self.heal_tokens < len(self.prompt_ids):
             raise ValueError(f"{where}.heal_tokens must be in [0, len(prompt_ids)), got {self.heal_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 32:
+            raise ValueError(f"{where}.seed must be in [0, 2**32), got {self.seed}")
         if self.prompt_roles and len(self.prompt_roles) != len(self.prompt_ids):
             raise ValueError(f"{where}.prompt_roles has {len(self.prompt_roles)} ids for {len(self.prompt_ids)} "
                              "prompt tokens")
@@ -133,6 +139,12 @@ class SamplerConfig:
     # back to XLA otherwise; "on" raises instead of falling back; "off" never
     # uses them. Sampler.native_kernels says what was chosen and why.
     cpu_kernels: str = "auto"
+    # Slot refill (continuous batching, ``sampling.refill``): up to max_batch requests run at once
+    # and a finished row's slot takes the next queued request (prefilled alone into that slot)
+    # instead of idling until the longest row of a static micro-batch ends. Same tokens and
+    # log-probs per request either way (per-request keys: Request.seed). "fused" decode path,
+    # no mesh, no return_prefix_states; otherwise generate falls back to static micro-batches.
+    refill: bool = False
 
     def __post_init__(self):
         for name in ("batch_buckets", "prompt_buckets", "new_token_buckets"):

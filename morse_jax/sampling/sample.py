@@ -74,7 +74,10 @@ def select_tokens(key: jax.Array, logits: jax.Array, temperature: jax.Array, top
     (``lax.cond``): no top-k when every row is greedy, no full-vocabulary noise unless some row is
     untruncated, so one compiled step serves every mix of settings.
 
-    Args: key; logits float32[B, V]; temperature float32[B]; top_k int32[B]; top_p float32[B].
+    Args: key: one PRNG key, or one per row ([B] typed keys or uint32[B, 2] raw keys: each row's
+      noise then comes from its own key alone, so a row draws the same token whatever the other
+      rows are, which slot it sits in or how many rows the batch has); logits float32[B, V];
+      temperature float32[B]; top_k int32[B]; top_p float32[B].
     Returns: (tokens int32[B], log_softmax(logits)[token] float32[B]).
     """
     chex.assert_rank(logits, 2)
@@ -82,13 +85,20 @@ def select_tokens(key: jax.Array, logits: jax.Array, temperature: jax.Array, top
     k_cap = min(k_cap, V)
     logits = logits.astype(jnp.float32)
     temperature = temperature.astype(jnp.float32)
-    k1, k2 = jax.random.split(key)
+    if per_row_keys(key):
+        k1, k2 = (jax.vmap(jax.random.split)(key)[:, i] for i in (0, 1))
+
+        def gumbel(k, shape):
+            return jax.vmap(lambda kr: jax.random.gumbel(kr, shape[1:]))(k)
+    else:
+        k1, k2 = jax.random.split(key)
+        gumbel = jax.random.gumbel
     sampling = temperature > 0
     untruncated = sampling & (top_k == 0) & (top_p >= 1.0)
 
     def full_path(_):
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        return jnp.argmax(scaled + jax.random.gumbel(k2, logits.shape), axis=-1).astype(jnp.int32)
+        return jnp.argmax(scaled + gumbel(k2, logits.shape), axis=-1).astype(jnp.int32)
 
     def sampled_path(_):
         # The barrier keeps XLA from rewriting "top-k, then slice its first column" into a full
@@ -98,7 +108,7 @@ def select_tokens(key: jax.Array, logits: jax.Array, temperature: jax.Array, top
             vals, ids = jax.lax.optimization_barrier((vals, ids))
         ids = ids.astype(jnp.int32)
         cand, lse_1 = _truncate(logits, vals, temperature, top_k, top_p)
-        choice = jnp.argmax(cand + jax.random.gumbel(k1, cand.shape), axis=-1)
+        choice = jnp.argmax(cand + gumbel(k1, cand.shape), axis=-1)
         tok = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
         if full_vocab:
             full = jax.lax.cond(jnp.any(untruncated), full_path, lambda _: tok, None)
@@ -110,6 +120,12 @@ def select_tokens(key: jax.Array, logits: jax.Array, temperature: jax.Array, top
 
     tok, lse_1 = jax.lax.cond(jnp.any(sampling), sampled_path, greedy_path, None)
     return tok, jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - lse_1
+
+
+def per_row_keys(key: jax.Array) -> bool:
+    """Whether ``key`` holds one PRNG key per row (typed keys [B], or raw uint32 keys [B, 2])."""
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    return key.ndim == (1 if typed else 2)
 
 
 def sample_tokens(key: jax.Array, logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,

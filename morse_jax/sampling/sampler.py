@@ -9,11 +9,14 @@ follows the longest prompt rather than its bucket) and a jitted decode chunk (a
 ``sampling.state.SamplingState``); the host checks stop strings between chunks and stops early
 once every row is done (``sampling.finish``). With a mesh, ``sampling.sharded`` gives the same
 functions explicit shardings. See ``bench/sampler.py`` for what the fused decode path buys.
+With ``SamplerConfig.refill`` the requests share one queue and a finished row's slot takes the
+next request (``sampling.refill``) instead of static micro-batches. Every request draws from its
+own key (``Request.seed``), so its tokens do not depend on how it was batched.
 
 Modules: ``requests`` (Request, Completion, SamplerConfig, packing), ``state`` (the typed
 pytrees), ``loop`` (pure prefill / decode), ``sample`` (token selection), ``finish`` (stop
-strings, completions), ``healing`` (token healing), ``sharded`` (mesh layout), this one (the
-host loop).
+strings, completions), ``healing`` (token healing), ``sharded`` (mesh layout), ``refill`` (slot
+refill), this one (the host loop).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from morse_jax.models.loading import Backbone
 from morse_jax.models.transformer import split_segments, unstack_segments
 from morse_jax.mole.experts import ExpertBankSpec
 from morse_jax.parallel.distributed import process_allgather
-from morse_jax.sampling import loop
+from morse_jax.sampling import loop, refill
 from morse_jax.sampling.finish import completions, mark_stop_strings
 from morse_jax.sampling.healing import TokenHealer, first_token_mask
 from morse_jax.sampling.requests import (  # Completion, Request, SamplerConfig: callers import them from here
@@ -108,6 +111,13 @@ class Sampler:
         prefill = self._counted(functools.partial(loop.prefill, self.loop_config))
         decode = self._counted(functools.partial(loop.decode, self.loop_config))
         self.mesh = mesh
+        # slot refill where it applies (fused caches, one device), else static micro-batches
+        self.refill = config.refill and config.decode_path == "fused" and mesh is None
+        if self.refill:
+            self._empty = jax.jit(functools.partial(refill.empty_state, self.loop_config),
+                                  static_argnames=("rows", "cache_len", "index", "new_tokens"))
+            self._place = jax.jit(refill.place_row, donate_argnums=(0,))
+            self._compact = jax.jit(refill.compact, donate_argnums=(0,))
         if mesh is None:
             self.params = params
             self._prefill = jax.jit(prefill, static_argnames=("cache_len", "chunk"))
@@ -176,7 +186,8 @@ class Sampler:
         capture = {} if self.capture_layer is None else dict(hidden_size=self.cfg.hidden_size,
                                                              states_dtype=self.params["embed"].dtype)
         state = jax.eval_shape(lambda key, pre, done: initial_state(key, pre, done, N, **capture),
-                               jax.eval_shape(lambda: jax.random.PRNGKey(0)), prefill, sds((B,), bool))
+                               jax.eval_shape(lambda: jax.random.split(jax.random.PRNGKey(0), B)), prefill,
+                               sds((B,), bool))
         experts = ExpertSlots(sds((B, A), i32), sds((B, A), f32),
                               sds((B,), i32) if self.role_adapter is not None else None)
         settings = DecodeSettings(sds((B,), f32), sds((B,), i32), sds((B,), f32), sds((B,), i32),
@@ -194,6 +205,8 @@ class Sampler:
         it finished and their completions (the objects returned at the end), so a caller can start
         on them (the orchestrator verifies them) while the next micro-batch generates.
 
+        With slot refill (``self.refill``) ``on_ready`` is called for each request as it finishes.
+
         ``profile``: a step profile (``run.profile.StepProfile``: ``phase(name)`` contexts) or None;
         each prefill call, blocked on its logits, is timed as its ``prefill`` phase.
         """
@@ -204,12 +217,31 @@ class Sampler:
             check_request(r, i, self.config, self.cfg.vocab_size, self.spec, num_roles)
         self.last_stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "batches": 0}
         requests, heals = self._heal(requests)
-        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        keys = request_keys(key, requests)
         out: list[Completion | None] = [None] * len(requests)
+        if self.refill:
+            def done(j: int, c: Completion):
+                out[j] = c
+                if on_ready is not None:
+                    on_ready([j], [c])
+                if progress is not None:
+                    progress(1)
+
+            bank_arg = self._bank_arg(bank)
+            progs = refill.RefillPrograms(
+                prefill=functools.partial(self._prefill, self.params, bank_arg),
+                decode=functools.partial(self._decode, self.params, bank_arg),
+                empty=self._empty_state, place=self._place, compact=self._compact,
+                constrain=self._constrain_first_token)
+            refill.run_refill(progs, self.config, self.backbone.tokenizer, requests, heals, keys,
+                              roles=self.role_adapter is not None, on_done=done, profile=profile,
+                              stats=self.last_stats)
+            return out  # type: ignore[return-value]
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
         mb = self.config.max_batch
-        for n, start in enumerate(range(0, len(order), mb)):
+        for start in range(0, len(order), mb):
             idx = order[start:start + mb]
-            batch = self._generate_batch(bank, [requests[i] for i in idx], jax.random.fold_in(key, n),
+            batch = self._generate_batch(bank, [requests[i] for i in idx], keys, idx,
                                          [heals[i] for i in idx], profile)
             for i, c in zip(idx, batch):
                 out[i] = c
@@ -236,10 +268,16 @@ class Sampler:
             heals.append(h)
         return out, heals
 
-    def _generate_batch(self, bank, reqs: list[Request], key, heals=None, profile=None) -> list[Completion]:
-        """One micro-batch; ``heals[i]``: (dropped text, allowed first tokens bool[V]) or None."""
+    def _empty_state(self, key, **shapes) -> SamplingState:
+        return self._empty(self.params, key, **shapes)
+
+    def _generate_batch(self, bank, reqs: list[Request], keys, idx: list[int], heals=None,
+                        profile=None) -> list[Completion]:
+        """One micro-batch: requests ``idx`` of the call (``keys``: every request's key);
+        ``heals[i]``: (dropped text, allowed first tokens bool[V]) or None."""
         heals = list(heals) if heals is not None else [None] * len(reqs)
         shape = batch_shape(reqs, self.config)
+        key = jnp.take(keys, jnp.asarray(idx + idx[:1] * (shape.rows - len(idx))), axis=0)  # padding: any key
         prompts, experts, settings, done = pack_requests(reqs, shape, self.config.max_active,
                                                          roles=self.role_adapter is not None)
         bank_arg = self._bank_arg(bank)
@@ -332,6 +370,19 @@ class Sampler:
             if done.all():
                 break
         return state, stop_at
+
+
+@jax.jit
+def _fold_seeds(key: jax.Array, seeds: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, seeds)
+
+
+def request_keys(key: jax.Array, requests: Sequence[Request]) -> jax.Array:
+    """Each request's PRNG key: ``fold_in(key, seed)`` (``Request.seed``, else its index);
+    [n] typed keys or uint32[n, 2], as ``key``. Seeds are padded to a power of two (few compiles)."""
+    seeds = [r.seed if r.seed is not None else i for i, r in enumerate(requests)]
+    n = 1 << (len(seeds) - 1).bit_length()
+    return _fold_seeds(key, jnp.asarray(seeds + [0] * (n - len(seeds)), jnp.uint32))[:len(seeds)]
 
 
 @functools.lru_cache(maxsize=4)

@@ -86,11 +86,13 @@ REASON_EOS, REASON_LENGTH = 1, 3
 class SamplingState:
     """The decode loop's carry (donated to the loop, so the cache is updated in place).
 
-    key: PRNG key for the next draw. logits float32[B, V]: next-token logits. cache: the KV cache
-    (S slots). pos int32[B]: position of each row's next token. step int32[]: decode steps done
-    (the next column of ``tokens``). tokens int32[B, N] / logps float32[B, N]: drawn tokens and
-    their temperature-1 log-probs (0 where a row was already done). n_gen int32[B]: tokens each
-    row generated. reason int32[B]: why a row finished (``REASON_EOS``: a stop token,
+    key: each row's request key ([B] typed or uint32[B, 2] raw PRNG keys): a row's k-th token is
+    drawn with ``fold_in(key[row], k)``, so its randomness depends on its request and token index
+    only, not on its slot, step or batch. logits float32[B, V]: next-token logits. cache: the KV
+    cache (S slots). pos int32[B]: position of each row's next token. step int32[]: decode steps
+    done. tokens int32[B, N] / logps float32[B, N]: drawn tokens and their temperature-1
+    log-probs, row b's k-th token in column k (0 past a row's end). n_gen int32[B]: tokens each
+    row generated (the row's next column). reason int32[B]: why a row finished (``REASON_EOS``: a stop token,
     ``REASON_LENGTH``: its budget, 0: not finished by the loop). done bool[B]: row finished
     (padding rows start done; the host also sets it on a stop string). states: the residual
     entering the capture layer at each generated token [B, N, d] (model dtype), or None.
@@ -113,7 +115,7 @@ def initial_state(key: jax.Array, prefill: PrefillOutput, done: Any, new_tokens:
                   hidden_size: int | None = None, states_dtype: Any = None) -> SamplingState:
     """The decode loop's state after the prefill: nothing generated yet.
 
-    done: bool[B] (padding rows True). new_tokens: N. With ``hidden_size``, room for the
+    key: one PRNG key per row (``SamplingState.key``). done: bool[B] (padding rows True). new_tokens: N. With ``hidden_size``, room for the
     generated tokens' captured residuals [B, N, hidden_size] of ``states_dtype``.
     """
     B = prefill.logits.shape[0]
@@ -131,15 +133,18 @@ def record_tokens(state: SamplingState, key: jax.Array, tok: jax.Array, logp: ja
                   settings: DecodeSettings) -> tuple[SamplingState, jax.Array]:
     """Write one drawn token per row and settle which rows finish (pure; inside the loop).
 
-    tok int32[B], logp float32[B]: this step's draws. Rows already done record 0 and do not
-    count. A row finishes on a stop id (``REASON_EOS``; the token is kept) or when it reaches its
+    tok int32[B], logp float32[B]: this step's draws, written at each row's own next column
+    (``n_gen``: rows may have started at different steps, ``sampling.refill``). Rows already done
+    record nothing and do not count. A row finishes on a stop id (``REASON_EOS``; the token is kept) or when it reaches its
     ``max_new`` budget (``REASON_LENGTH``); a stop id takes precedence. Returns (the state with
     key, tokens, logps, n_gen, reason and done advanced — logits, cache, pos, step untouched —,
     active bool[B]: the rows that drew this step, i.e. that the model must now consume).
     """
     active = ~state.done
-    tokens = state.tokens.at[:, state.step].set(jnp.where(active, tok, 0))
-    logps = state.logps.at[:, state.step].set(jnp.where(active, logp, 0.0))
+    rows = jnp.arange(tok.shape[0])
+    col = jnp.where(active, state.n_gen, state.tokens.shape[1])  # out of range: dropped
+    tokens = state.tokens.at[rows, col].set(tok, mode="drop")
+    logps = state.logps.at[rows, col].set(logp, mode="drop")
     n_gen = state.n_gen + active
     hit_stop = jnp.any(tok[:, None] == settings.stop_ids, axis=-1) & active
     hit_len = (n_gen >= settings.max_new) & active

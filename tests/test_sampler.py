@@ -20,7 +20,7 @@ from scipy import stats
 from morse_jax.kernels import probe, unavailable_reason
 from morse_jax.models import Backbone, ModelConfig, RopeSpec, forward, init_params, split_segments
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, init_expert_bank
-from morse_jax.models.decode import init_decode_cache
+from morse_jax.models.decode import decode_params, forward_cached, init_decode_cache, positions_from_valid
 from morse_jax.sampling.sampler import Completion, Request, Sampler, SamplerConfig, _cached_sampler, generate
 from morse_jax.sampling.sample import sample_tokens, select_tokens, truncated_logits
 
@@ -386,6 +386,41 @@ def test_decode_updates_caches_in_place(tiny, batch):
     copies = [line.strip()[:160] for line in hlo.splitlines()
               if any(f"= {sh}{{" in line for sh in shapes) and ("copy(" in line or "copy" in line.split("=")[0])]
     assert not copies, copies[:4]
+
+
+@pytest.mark.parametrize("family", [*CONFIGS, "gemma3-softcap"])
+def test_chunked_prefill_reads_only_the_filled_prefix(family):
+    """The prefill chunk by chunk (left-padded rows; in gemma3 a sliding window shorter than the
+    prompt; an attention logit soft-cap) equals the uncached forward of each row's prompt alone
+    at every prompt position, with every cache slot past the chunk being written poisoned with
+    NaN before each chunk: a chunk's attention must not read slots no query of it can attend to
+    (attending over the whole cache multiplied their NaN values by zero probabilities)."""
+    cfg = CONFIGS[family.split("-")[0]]
+    if family.endswith("softcap"):
+        cfg = dataclasses.replace(cfg, attn_logit_softcap=5.0)
+    params = _init_scaled(jax.random.PRNGKey(3), cfg)
+    B, T, P, S = 2, 4, 16, 24
+    lens = (13, 6)
+    ps = prompts(lens, cfg.vocab_size, seed=5)
+    tokens, valid = np.zeros((B, P), np.int32), np.zeros((B, P), bool)
+    for r, p in enumerate(ps):
+        tokens[r, P - len(p):], valid[r, P - len(p):] = p, True
+    positions = positions_from_valid(jnp.asarray(valid))
+    dp = decode_params(params, cfg)
+    run = jax.jit(lambda dp, tok, val, pos, cache: forward_cached(dp, cfg, tok, val, pos, cache, None, last_only=False))
+    cache, outs = init_decode_cache(cfg, B, S), []
+    for idx in range(0, P, T):
+        cache = {**cache, "k": tuple(k.at[:, :, idx + T:].set(np.nan) for k in cache["k"]),
+                 "v": tuple(v.at[:, idx + T:].set(np.nan) for v in cache["v"])}
+        logits, cache = run(dp, tokens[:, idx:idx + T], valid[:, idx:idx + T], positions[:, idx:idx + T], cache)
+        outs.append(np.asarray(logits))
+    got = np.concatenate(outs, axis=1)
+    right = np.zeros((B, P), np.int32)
+    for r, p in enumerate(ps):
+        right[r, :len(p)] = p
+    want = np.asarray(_ref_logits(params, None, None, None, right, right > -1, cfg=cfg, spec=None))
+    for r, n in enumerate(lens):
+        np.testing.assert_allclose(got[r, P - n:], want[r, :n], rtol=1e-4, atol=1e-4, err_msg=f"row {r}")
 
 
 # --------------------------------------------------------------------------- token selection

@@ -21,6 +21,8 @@ from morse_jax.kernels import probe, unavailable_reason
 from morse_jax.models import Backbone, ModelConfig, RopeSpec, forward, init_params, split_segments
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, init_expert_bank
 from morse_jax.models.decode import decode_params, forward_cached, init_decode_cache, positions_from_valid
+from morse_jax.sampling import loop
+from morse_jax.sampling.state import ExpertSlots, PromptBatch
 from morse_jax.sampling.sampler import Completion, Request, Sampler, SamplerConfig, _cached_sampler, generate
 from morse_jax.sampling.sample import sample_tokens, select_tokens, truncated_logits
 
@@ -421,6 +423,41 @@ def test_chunked_prefill_reads_only_the_filled_prefix(family):
     want = np.asarray(_ref_logits(params, None, None, None, right, right > -1, cfg=cfg, spec=None))
     for r, n in enumerate(lens):
         np.testing.assert_allclose(got[r, P - n:], want[r, :n], rtol=1e-4, atol=1e-4, err_msg=f"row {r}")
+
+
+def test_prefill_skips_the_padding_before_the_longest_prompt(tiny):
+    """Rows left-padded to end at slot 16 (one chunk of 16; the longest prompt starts at slot 3):
+    the prefill works from slot 3 on in chunks of 1, 4 and 16 tokens (``prefill_chunk_sizes``
+    with no row floor),
+    so the cache slots before it are never written, and the last-position logits are the
+    uncached forward's of each prompt alone."""
+    bb, _, _, sampler = tiny["llama"]
+    assert loop.prefill_chunk_sizes(16, 2, 1) == (1, 4, 16) and loop.prefill_chunk_sizes(12, 2, 1) == (3, 12)
+    assert loop.prefill_chunk_sizes(6, 2, 1) == (6,)
+    # no chunk of fewer than min_rows token rows: batch 16 in chunks of 32 -> 8 (128 rows), not 2
+    assert loop.prefill_chunk_sizes(32, 16, 128) == (8, 32) and loop.prefill_chunk_sizes(256, 1, 128) == (256,)
+    B, P, end, lens = 2, 32, 16, (13, 6)
+    ps = prompts(lens, TINY["vocab_size"], seed=9)
+    tokens, valid = np.zeros((B, P), np.int32), np.zeros((B, P), bool)
+    for r, p in enumerate(ps):
+        tokens[r, end - len(p):end], valid[r, end - len(p):end] = p, True
+    lc = dataclasses.replace(sampler.loop_config, prefill_min_rows=1)
+    run = jax.jit(functools.partial(loop.prefill, lc), static_argnames=("cache_len", "chunk"))
+    out = run(sampler.params, None, PromptBatch(tokens, valid),
+              ExpertSlots(np.zeros((B, 1), np.int32), np.zeros((B, 1), np.float32)), np.int32(1),
+              cache_len=P + 8, chunk=16)
+    assert out.pos.tolist() == list(lens) and int(out.cache["index"]) == end
+    first = end - max(lens)
+    for k in out.cache["k"]:
+        k = np.asarray(k)
+        assert not k[..., :first].any()  # never written
+        assert np.abs(k[..., first:end]).min(axis=(0, 1)).all()  # every worked slot written
+    right = np.zeros((B, P), np.int32)
+    for r, p in enumerate(ps):
+        right[r, :len(p)] = p
+    want = np.asarray(_ref_logits(bb.params, None, None, None, right, right > -1, cfg=bb.config, spec=None))
+    for r, n in enumerate(lens):
+        np.testing.assert_allclose(np.asarray(out.logits[r]), want[r, n - 1], rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- token selection

@@ -20,7 +20,9 @@ from scipy import stats
 from morse_jax.kernels import probe, unavailable_reason
 from morse_jax.models import Backbone, ModelConfig, RopeSpec, forward, init_params, split_segments
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, init_expert_bank
-from morse_jax.models.decode import init_decode_cache
+from morse_jax.models.decode import decode_params, forward_cached, init_decode_cache, positions_from_valid
+from morse_jax.sampling import loop
+from morse_jax.sampling.state import ExpertSlots, PromptBatch
 from morse_jax.sampling.sampler import Completion, Request, Sampler, SamplerConfig, _cached_sampler, generate
 from morse_jax.sampling.sample import sample_tokens, select_tokens, truncated_logits
 
@@ -386,6 +388,76 @@ def test_decode_updates_caches_in_place(tiny, batch):
     copies = [line.strip()[:160] for line in hlo.splitlines()
               if any(f"= {sh}{{" in line for sh in shapes) and ("copy(" in line or "copy" in line.split("=")[0])]
     assert not copies, copies[:4]
+
+
+@pytest.mark.parametrize("family", [*CONFIGS, "gemma3-softcap"])
+def test_chunked_prefill_reads_only_the_filled_prefix(family):
+    """The prefill chunk by chunk (left-padded rows; in gemma3 a sliding window shorter than the
+    prompt; an attention logit soft-cap) equals the uncached forward of each row's prompt alone
+    at every prompt position, with every cache slot past the chunk being written poisoned with
+    NaN before each chunk: a chunk's attention must not read slots no query of it can attend to
+    (attending over the whole cache multiplied their NaN values by zero probabilities)."""
+    cfg = CONFIGS[family.split("-")[0]]
+    if family.endswith("softcap"):
+        cfg = dataclasses.replace(cfg, attn_logit_softcap=5.0)
+    params = _init_scaled(jax.random.PRNGKey(3), cfg)
+    B, T, P, S = 2, 4, 16, 24
+    lens = (13, 6)
+    ps = prompts(lens, cfg.vocab_size, seed=5)
+    tokens, valid = np.zeros((B, P), np.int32), np.zeros((B, P), bool)
+    for r, p in enumerate(ps):
+        tokens[r, P - len(p):], valid[r, P - len(p):] = p, True
+    positions = positions_from_valid(jnp.asarray(valid))
+    dp = decode_params(params, cfg)
+    run = jax.jit(lambda dp, tok, val, pos, cache: forward_cached(dp, cfg, tok, val, pos, cache, None, last_only=False))
+    cache, outs = init_decode_cache(cfg, B, S), []
+    for idx in range(0, P, T):
+        cache = {**cache, "k": tuple(k.at[:, :, idx + T:].set(np.nan) for k in cache["k"]),
+                 "v": tuple(v.at[:, idx + T:].set(np.nan) for v in cache["v"])}
+        logits, cache = run(dp, tokens[:, idx:idx + T], valid[:, idx:idx + T], positions[:, idx:idx + T], cache)
+        outs.append(np.asarray(logits))
+    got = np.concatenate(outs, axis=1)
+    right = np.zeros((B, P), np.int32)
+    for r, p in enumerate(ps):
+        right[r, :len(p)] = p
+    want = np.asarray(_ref_logits(params, None, None, None, right, right > -1, cfg=cfg, spec=None))
+    for r, n in enumerate(lens):
+        np.testing.assert_allclose(got[r, P - n:], want[r, :n], rtol=1e-4, atol=1e-4, err_msg=f"row {r}")
+
+
+def test_prefill_skips_the_padding_before_the_longest_prompt(tiny):
+    """Rows left-padded to end at slot 16 (one chunk of 16; the longest prompt starts at slot 3):
+    the prefill works from slot 3 on in chunks of 1, 4 and 16 tokens (``prefill_chunk_sizes``
+    with no row floor),
+    so the cache slots before it are never written, and the last-position logits are the
+    uncached forward's of each prompt alone."""
+    bb, _, _, sampler = tiny["llama"]
+    assert loop.prefill_chunk_sizes(16, 2, 1) == (1, 4, 16) and loop.prefill_chunk_sizes(12, 2, 1) == (3, 12)
+    assert loop.prefill_chunk_sizes(6, 2, 1) == (6,)
+    # no chunk of fewer than min_rows token rows: batch 16 in chunks of 32 -> 8 (128 rows), not 2
+    assert loop.prefill_chunk_sizes(32, 16, 128) == (8, 32) and loop.prefill_chunk_sizes(256, 1, 128) == (256,)
+    B, P, end, lens = 2, 32, 16, (13, 6)
+    ps = prompts(lens, TINY["vocab_size"], seed=9)
+    tokens, valid = np.zeros((B, P), np.int32), np.zeros((B, P), bool)
+    for r, p in enumerate(ps):
+        tokens[r, end - len(p):end], valid[r, end - len(p):end] = p, True
+    lc = dataclasses.replace(sampler.loop_config, prefill_min_rows=1)
+    run = jax.jit(functools.partial(loop.prefill, lc), static_argnames=("cache_len", "chunk"))
+    out = run(sampler.params, None, PromptBatch(tokens, valid),
+              ExpertSlots(np.zeros((B, 1), np.int32), np.zeros((B, 1), np.float32)), np.int32(1),
+              cache_len=P + 8, chunk=16)
+    assert out.pos.tolist() == list(lens) and int(out.cache["index"]) == end
+    first = end - max(lens)
+    for k in out.cache["k"]:
+        k = np.asarray(k)
+        assert not k[..., :first].any()  # never written
+        assert np.abs(k[..., first:end]).min(axis=(0, 1)).all()  # every worked slot written
+    right = np.zeros((B, P), np.int32)
+    for r, p in enumerate(ps):
+        right[r, :len(p)] = p
+    want = np.asarray(_ref_logits(bb.params, None, None, None, right, right > -1, cfg=bb.config, spec=None))
+    for r, n in enumerate(lens):
+        np.testing.assert_allclose(np.asarray(out.logits[r]), want[r, n - 1], rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- token selection

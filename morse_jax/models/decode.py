@@ -35,8 +35,8 @@ from morse_jax import kernels
 from morse_jax.models.adapters import LoraInputs, PreparedLora, prepare_lora  # noqa: F401 - prepare_lora re-exported
 from morse_jax.models.block import ColumnsLayout, LayerDims, RowsLayout, decoder_layer
 from morse_jax.models.config import ModelConfig
-from morse_jax.models.layers import (attention_masks, attention_probs, embed, final_logits, per_layer_inputs,
-                                     positions_from_valid, rope_for)  # noqa: F401 - positions_from_valid re-exported
+from morse_jax.models.layers import (NEG_INF, attention_masks, attention_probs, embed, final_logits,
+                                     per_layer_inputs, positions_from_valid, rope_for, soft_cap)  # noqa: F401 - positions_from_valid re-exported
 
 FUSED = {"qkv": ("q", "k", "v"), "gu": ("gate", "up")}
 LINEAR = ("q", "k", "v", "o", "gate", "up", "down")
@@ -212,6 +212,54 @@ def _attend(q, ck, cv, mask, cfg, native=False):
     return jnp.swapaxes(out, 1, 2).reshape(B, T, H * D)
 
 
+def _attend_prefix(q, ck, cv, key_valid, q_slots, cfg, sliding, block):
+    """Attention over the filled prefix only (the prefill): q [B, T, H, D] at cache slots
+    ``q_slots`` int[T] (consecutive), keys [B*K, D, S], values [B*K, S, D], key_valid bool[B, S]
+    -> [B, T, H*D].
+
+    Reads the cache in blocks of ``block`` slots up to the last query's slot (later slots are
+    causally masked anyway), combining them with an online softmax (running max and normaliser,
+    as flash attention): a prefill chunk at slot ``idx`` does ``idx + T`` slots of work instead of
+    the whole cache (at batch 16, 7 chunks of 32 into a 384-slot cache: 2.6x less attention work
+    than :func:`_attend` over the cache). Same maths as :func:`_attend` up to float rounding, for
+    every query that has a valid key; a query with none (a padding token: its output is never
+    attended to or returned) averages the values it read instead of all of them.
+    """
+    B, T, H, D = q.shape
+    S = ck.shape[-1]
+    K = cv.shape[0] // B
+    G = H // K
+    block = min(block, S)
+    f32 = jnp.float32
+    qx = jnp.swapaxes(q.reshape(B, T, K, G, D), 1, 2).reshape(B * K, T * G, D)
+    n_blocks = (q_slots[-1] + block) // block  # blocks holding slots 0 .. q_slots[-1]
+
+    def body(j, carry):
+        m, norm, acc = carry
+        start = jnp.minimum(j * block, S - block)  # a last block past the cache end is moved back ...
+        k_slots = start + jnp.arange(block)
+        fresh = k_slots >= j * block  # ... and the slots the previous block covered masked out
+        masks = attention_masks(cfg, jax.lax.dynamic_slice_in_dim(key_valid, start, block, 1), q_slots, start)
+        mask = (masks[1] if sliding else masks[0]) & fresh  # [B, T, block]
+        kb = jax.lax.dynamic_slice_in_dim(ck, start, block, axis=2)
+        vb = jax.lax.dynamic_slice_in_dim(cv, start, block, axis=1)
+        scores = soft_cap(jnp.einsum("nxd,nds->nxs", qx, kb).astype(f32) * cfg.scale, cfg.attn_logit_softcap)
+        scores = scores.reshape(B, K, T, G, block)
+        scores = jnp.where(mask[:, None, :, None, :], scores, NEG_INF).reshape(B * K, T * G, block)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        p = jnp.exp(scores - m_new[..., None])
+        fade = jnp.exp(m - m_new)  # 0 once a valid key lifts the max above NEG_INF: masked-only blocks drop out
+        norm = norm * fade + jnp.sum(p, axis=-1)
+        acc = acc * fade[..., None] + jnp.einsum("nxs,nsd->nxd", p.astype(q.dtype), vb).astype(f32)
+        return m_new, norm, acc
+
+    carry = (jnp.full((B * K, T * G), NEG_INF, f32), jnp.zeros((B * K, T * G), f32),
+             jnp.zeros((B * K, T * G, D), f32))
+    _, norm, acc = jax.lax.fori_loop(0, n_blocks, body, carry)
+    out = (acc / norm[..., None]).astype(q.dtype).reshape(B, K, T, G, D)
+    return jnp.swapaxes(out, 1, 2).reshape(B, T, H * D)
+
+
 def _write_cache(cache, i, k, v, idx):
     """k, v [B, T, K, D] -> caches with slots idx..idx+T-1 written."""
     ck, cv = cache["k"][i], cache["v"][i]
@@ -223,11 +271,12 @@ def _write_cache(cache, i, k, v, idx):
     return ck, cv
 
 
-def _run_layers(dp, cfg: ModelConfig, layout, x, ple_of, rope, masks, cache, lora, capture_layer, native=False):
+def _run_layers(dp, cfg: ModelConfig, layout, x, ple_of, rope, attend, cache, lora, capture_layer):
     """Every layer on x (layout activations), reading and writing the cache at ``cache["index"]``.
 
     ple_of(i): layer i's per-layer input in the layout (Gemma 4) or None. rope: ((cos, sin)
-    full, (cos, sin) sliding) [B, T, D]; masks: (full, sliding) bool[B, T, S].
+    full, (cos, sin) sliding) [B, T, D]; attend(q, keys, values, sliding) -> [B, T, H*D]: the
+    attention over the layer's updated cache (:func:`_attend_prefix` or :func:`_attend`).
     Returns (x, new keys, new values (tuples over layers, None for KV-shared layers), the
     residual entering ``capture_layer`` in rows [B, (T,) d] or None).
     """
@@ -246,8 +295,7 @@ def _run_layers(dp, cfg: ModelConfig, layout, x, ple_of, rope, masks, cache, lor
                 ck, cv = new_k[producer], new_v[producer]
             else:
                 ck, cv = _write_cache(cache, i, k, v, idx)
-            out = _attend(q, ck.astype(dtype), cv.astype(dtype), masks[1] if sliding else masks[0], cfg, native)
-            return out, (ck, cv)
+            return attend(q, ck.astype(dtype), cv.astype(dtype), sliding), (ck, cv)
 
         adapter = lora[i - first_adapted] if lora is not None and i >= first_adapted else None
         x, (ck, cv), _ = decoder_layer(cfg, layout, lp, x, dims, rope[1] if sliding else rope[0], attention,
@@ -280,10 +328,14 @@ def forward_cached(dp: dict, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arr
     ple = per_layer_inputs(dp, cfg, tokens, x) if cfg.per_layer_input_size else None  # [B, T, L, p]
     idx = cache["index"]
     key_valid = jax.lax.dynamic_update_slice(cache["valid"], valid, (0, idx))
-    masks = attention_masks(cfg, key_valid, idx + jnp.arange(T))
+    q_slots = idx + jnp.arange(T)
+
+    def attend(q, ck, cv, sliding):
+        return _attend_prefix(q, ck, cv, key_valid, q_slots, cfg, sliding, block=T)
+
     rope = _rope_rows(cfg, rope, positions, cache["valid"].shape[1], dp["embed"].dtype)
     x, new_k, new_v, captured = _run_layers(dp, cfg, FusedRows, x, lambda i: None if ple is None else ple[:, :, i],
-                                            rope, masks, cache, lora, capture_layer)
+                                            rope, attend, cache, lora, capture_layer)
     if last_only:
         x = x[:, -1]
     x = FusedRows.norm(x, dp["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
@@ -316,9 +368,13 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
     idx = cache["index"]
     key_valid = jax.lax.dynamic_update_slice(cache["valid"], active[:, None], (0, idx))
     masks = attention_masks(cfg, key_valid, idx + jnp.arange(1))
+
+    def attend(q, ck, cv, sliding):
+        return _attend(q, ck, cv, masks[1] if sliding else masks[0], cfg, native)
+
     rope = _rope_rows(cfg, rope, positions[:, None], cache["valid"].shape[1], dp["embed"].dtype)
     xT, new_k, new_v, captured = _run_layers(dp, cfg, layout, x0.T, lambda i: None if ple is None else ple[:, i].T,
-                                             rope, masks, cache, lora, capture_layer, native)
+                                             rope, attend, cache, lora, capture_layer)
     hT = layout.norm(xT, dp["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     if native:
         logits = final_logits(layout.matmul(dp["head"], hT).T, cfg)

@@ -102,14 +102,16 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return jnp.tanh(x / cap) * cap if cap else x
 
 
-def attention_masks(cfg: ModelConfig, key_valid: jax.Array, q_slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+def attention_masks(cfg: ModelConfig, key_valid: jax.Array, q_slots: jax.Array,
+                    k_start: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
     """Full and sliding-window masks bool[B, T, S] for queries at slots ``q_slots`` int[T].
 
-    key_valid: bool[B, S], False at padding (never attended to). Slots advance with positions
-    within a row, so a query attends to valid keys at or before its own slot (and, in sliding
-    layers, fewer than ``cfg.sliding_window`` slots back).
+    key_valid: bool[B, S], False at padding (never attended to), for the key slots
+    ``k_start .. k_start + S - 1`` (a block of the cache; 0: the whole cache). Slots advance with
+    positions within a row, so a query attends to valid keys at or before its own slot (and, in
+    sliding layers, fewer than ``cfg.sliding_window`` slots back).
     """
-    k_slots = jnp.arange(key_valid.shape[1])
+    k_slots = k_start + jnp.arange(key_valid.shape[1])
     causal = k_slots[None, :] <= q_slots[:, None]  # [T, S]
     full = key_valid[:, None, :] & causal[None]
     if not cfg.sliding_window:

@@ -162,7 +162,7 @@ def test_role_loop_course(char_tokenizer):
         return out
 
     starts = [Trajectory(turns=(Turn("user", u),), system="S") for u in ("a", "b")]
-    eps = rl.run_role_loop(starts, generate, char_tokenizer, rl.RoleLoopConfig())
+    eps = rl.run_role_loop(starts, generate, char_tokenizer, rl.RoleLoopConfig(role_choice="text"))
     assert calls == [[0, 0], [1, 2]]  # round 2: an executor row and a summarizer row together
     assert rl.executor_text(eps[0]) == "[f(x=1)]" and rl.executor_text(eps[1]) == ""
     assert [t.role for t in eps[1].traj.turns] == ["user", "reasoner", "summarizer"]
@@ -170,6 +170,6 @@ def test_role_loop_course(char_tokenizer):
     script[("a", "reasoner")] = "use f. Next: executor."
     calls.clear()
     eps = rl.run_role_loop(starts[:1], generate, char_tokenizer,
-                           rl.RoleLoopConfig(max_turns=4, stop_after_executor=False), observe=lambda t: "ok")
+                           rl.RoleLoopConfig(max_turns=4, stop_after_executor=False, role_choice="text"), observe=lambda t: "ok")
     assert [t.role for t in eps[0].traj.turns] == ["user", "reasoner", "executor", "observation", "reasoner",
                                                    "executor"]

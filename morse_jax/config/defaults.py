@@ -185,6 +185,9 @@ def moragent_defaults() -> ml_collections.ConfigDict:
     m.eval_batch = 8  # items answered per batch (answers are appended to <workdir>/bfcl_answers.jsonl)
     m.direct_max_new_tokens = 128  # the direct protocol's answer budget
     m.max_turns = 4  # role turns per episode (role loop)
+    # the reasoner's hand-over: likelihood (the closed-set decision "Next: executor." vs "Next: summarizer."
+    # scored by the model after its thought) | text (parsed from the generated text); run.role_loop
+    m.role_choice = "likelihood"
     m.reasoner_max_new_tokens = 96
     m.executor_max_new_tokens = 128
     m.summarizer_max_new_tokens = 64

@@ -208,6 +208,7 @@ def _validate_moragent(cfg, *, check_paths: bool) -> None:
     if not m.targets or bad:
         raise ConfigError(f"config.moragent.targets: must be a non-empty subset of {LORA_TARGETS}, got {tuple(m.targets)}")
     _choice(cfg, "moragent.shared_gate", ("always", "sigmoid"))
+    _choice(cfg, "moragent.role_choice", ("likelihood", "text"))
     _positive(cfg, "moragent.rank", "moragent.epochs", "moragent.batch_size", "moragent.micro_batch",
               "moragent.checkpoint_every", "moragent.eval_batch", "moragent.direct_max_new_tokens",
               "moragent.max_turns", "moragent.reasoner_max_new_tokens", "moragent.executor_max_new_tokens",

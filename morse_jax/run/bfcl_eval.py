@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from morse_jax.models.chat import encode_chat
-from morse_jax.run.role_loop import RoleLoopConfig, executor_text, run_role_loop
+from morse_jax.run.role_loop import RoleLoopConfig, ScoreFn, executor_text, run_role_loop
 from morse_jax.sampling.requests import Completion, Request
 from morse_jax.tasks import bfcl
 from morse_jax.tasks.bfcl import BfclItem, ScoreResult
@@ -129,16 +129,17 @@ def item_trajectory(item: BfclItem, system: str) -> Trajectory:
 
 
 def answer_roles(generate: GenerateFn, tokenizer, config: RoleLoopConfig, *, stop_token_ids: Sequence[int],
-                 system: str = DEFAULT_SYSTEM) -> Callable[[Sequence[BfclItem]], list[Answer]]:
+                 system: str = DEFAULT_SYSTEM,
+                 score: ScoreFn | None = None) -> Callable[[Sequence[BfclItem]], list[Answer]]:
     """The role-loop protocol as a function items -> answers: the answer is the first executor
     turn's text (BFCL scores its calls; no executor turn = no call). BFCL v4 ships no executable
     functions, so nothing is executed: the episode ends after the executor's turn (there is no
-    observation to feed back)."""
+    observation to feed back). score: the role loop's decision scoring (``RoleLoopConfig.role_choice``)."""
     config = dataclasses.replace(config, stop_after_executor=True)
 
     def answer(items: Sequence[BfclItem]) -> list[Answer]:
         eps = run_role_loop([item_trajectory(it, system) for it in items], generate, tokenizer, config,
-                            stop_token_ids=stop_token_ids)
+                            stop_token_ids=stop_token_ids, score=score)
         return [Answer(text=executor_text(e), turns=[(t.role, t.content) for t in e.traj.turns if t.role in ROLE_NAMES],
                        tokens=e.tokens) for e in eps]
 

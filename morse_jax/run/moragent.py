@@ -48,7 +48,7 @@ def loop_config(cfg) -> RoleLoopConfig:
     m = cfg.moragent
     return RoleLoopConfig(max_turns=m.max_turns, max_new_tokens=(
         ("reasoner", m.reasoner_max_new_tokens), ("executor", m.executor_max_new_tokens),
-        ("summarizer", m.summarizer_max_new_tokens)))
+        ("summarizer", m.summarizer_max_new_tokens)), role_choice=m.role_choice)
 
 
 def eval_settings(cfg, trained_state: str) -> dict:
@@ -101,6 +101,7 @@ class AgentJob:
         self.stop_ids = stop_token_ids(self.backbone.tokenizer, self.backbone.config.eos_token_ids)
         self.key = jax.random.key(cfg.seed)
         self.role_adapter, self.params, self.trained_state = None, None, "none"
+        self._scorer = None
         if self.variant.trains:
             from morse_jax.run.agent_training import build_adapter
 
@@ -113,13 +114,22 @@ class AgentJob:
         self.key, sub = jax.random.split(self.key)
         return self.sampler.generate(self.params, requests, key=sub)
 
+    def score(self, continuations):
+        """Log-probabilities of continuations under the adapter (the role loop's decision scoring)."""
+        if self._scorer is None:
+            from morse_jax.run.agent_training import ContinuationScorer
+
+            # 4 rows a batch: a full forward keeps [rows, heads, T, T] attention scores (T up to 2k here)
+            self._scorer = ContinuationScorer(self.backbone, self.role_adapter.cfg, max_rows=4)
+        return self._scorer(self.params, continuations)
+
     def answer_fn(self):
         m = self.cfg.moragent
         tok = self.backbone.tokenizer
         if self.variant.protocol == "direct":
             return answer_direct(self.generate, tok, max_new_tokens=m.direct_max_new_tokens,
                                  stop_token_ids=self.stop_ids)
-        return answer_roles(self.generate, tok, loop_config(self.cfg), stop_token_ids=self.stop_ids)
+        return answer_roles(self.generate, tok, loop_config(self.cfg), stop_token_ids=self.stop_ids, score=self.score)
 
     def evaluate(self) -> tuple[list, dict]:
         """(verdicts, the settings record) on the configured subset, resuming a matching answers file."""

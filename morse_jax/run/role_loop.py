@@ -13,8 +13,15 @@ its role too).
 The course of an episode:
 
 * the first role turn is the reasoner's;
-* after a reasoner turn, the next role is the one it names ("Next: executor." / "Next:
-  summarizer.", the training data's convention, :func:`next_role`);
+* after a reasoner turn, the next role is its decision between the executor and the summarizer.
+  With ``role_choice="likelihood"`` (the default) the decision is read as a closed-set choice:
+  the reasoner's thought (its text before any "Next:" it wrote) is closed with each allowed
+  decision in the training data's words ("Next: executor." / "Next: summarizer."), the model
+  scores both turns (``score``: the log-probability of the tokens where they differ, end-of-turn
+  token included, under the reasoner's group) and the likelier one is the turn kept. A free-text
+  reasoner that never writes the marker (a small model after short SFT answers in prose) thus
+  still makes the decision the paper gives it, with the model's own preference, never a forced
+  one. ``role_choice="text"`` parses the generated text instead (:func:`next_role`);
 * after an executor turn, ``observe`` (if given) turns its text into an observation turn and the
   reasoner speaks again; without ``observe`` (or with ``stop_after_executor``) the episode ends
   there;
@@ -34,6 +41,8 @@ from morse_jax.sft.data import chat_messages, render
 from morse_jax.tasks.trajectories import ROLE_NAMES, Trajectory, Turn
 
 _NEXT = re.compile(r"next\s*(?:role)?\s*:\s*(reasoner|executor|summarizer)", re.IGNORECASE)
+_MARKER = re.compile(r"next\s*(?:role)?\s*:", re.IGNORECASE)
+DECISIONS = ("executor", "summarizer")  # the roles a reasoner can hand over to
 _CALL = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
 
 
@@ -46,12 +55,19 @@ class RoleLoopConfig:
     stop_after_executor: end an episode after its first executor turn (single-shot tasks such as
       BFCL, scored on the executor's calls with nothing to execute).
     temperature: 0 = greedy.
+    role_choice: "likelihood" (the reasoner's decision scored as a closed set, see the module
+      docstring; needs a ``score`` function) | "text" (parsed from the generated text, :func:`next_role`).
     """
 
     max_turns: int = 4
     max_new_tokens: tuple[tuple[str, int], ...] = (("reasoner", 96), ("executor", 128), ("summarizer", 64))
     stop_after_executor: bool = True
     temperature: float = 0.0
+    role_choice: str = "likelihood"
+
+    def __post_init__(self):
+        if self.role_choice not in ("likelihood", "text"):
+            raise ValueError(f"role_choice must be 'likelihood' or 'text', got {self.role_choice!r}")
 
     def budget(self, role: str) -> int:
         return dict(self.max_new_tokens)[role]
@@ -66,6 +82,62 @@ def next_role(reasoner_text: str) -> str:
         role = named[-1].lower()
         return "executor" if role == "reasoner" else role
     return "executor" if _CALL.search(reasoner_text) else "summarizer"
+
+
+def thought_of(reasoner_text: str) -> str:
+    """The reasoner's thought: its text before the last "Next:" marker it wrote (all of it when
+    there is none), stripped."""
+    marks = list(_MARKER.finditer(reasoner_text))
+    return (reasoner_text[:marks[-1].start()] if marks else reasoner_text).strip()
+
+
+def decision_turn(thought: str, role: str) -> str:
+    """A reasoner turn: ``thought`` closed with the decision to hand over to ``role``, in the
+    training data's words."""
+    return f"{thought} Next: {role}." if thought else f"Next: {role}."
+
+
+@dataclasses.dataclass(frozen=True)
+class Continuation:
+    """A sequence to score: ``score`` returns sum over t >= start of log p(ids[t] | ids[:t]), every
+    token run under its ``roles`` id (-1: no adapter). 0 < start < len(ids)."""
+
+    ids: tuple[int, ...]
+    roles: tuple[int, ...]
+    start: int
+
+
+ScoreFn = Callable[[Sequence[Continuation]], Sequence[float]]
+
+
+def decision_continuations(traj: Trajectory, thought: str, tokenizer) -> list[Continuation]:
+    """For an episode whose next turn is the reasoner's: one :class:`Continuation` per role of
+    DECISIONS, the episode followed by :func:`decision_turn`, through that turn's end-of-turn
+    token, scored from the first token where the candidates differ (the shared prefix has the
+    same probability under each, so only the decision's tokens are compared)."""
+    seqs = []
+    for role in DECISIONS:
+        r = render(dataclasses.replace(traj, turns=traj.turns + (Turn("reasoner", decision_turn(thought, role)),)),
+                   tokenizer)
+        end = int(np.flatnonzero(r.loss_mask)[-1]) + 1  # the last turn's end-of-turn token (or its last token)
+        seqs.append((r.tokens[:end].tolist(), r.role_ids[:end].tolist()))
+    first = next(i for i, (a, b) in enumerate(zip(seqs[0][0], seqs[1][0])) if a != b)
+    return [Continuation(tuple(ids), tuple(roles), first) for ids, roles in seqs]
+
+
+def choose_decisions(trajs: Sequence[Trajectory], texts: Sequence[str], score: ScoreFn,
+                     tokenizer) -> list[tuple[str, str]]:
+    """(role, the reasoner turn's text closed with that decision) for each episode ``trajs[i]``
+    (the reasoner's turn not yet added) whose reasoner wrote ``texts[i]``: the decision of DECISIONS
+    whose turn the model finds likelier (ties: the first, executor); one ``score`` call for all."""
+    thoughts = [thought_of(t) for t in texts]
+    conts = [c for traj, th in zip(trajs, thoughts, strict=True) for c in decision_continuations(traj, th, tokenizer)]
+    scores = np.asarray(score(conts), np.float64).reshape(len(trajs), len(DECISIONS)) if conts else np.zeros((0, 2))
+    out = []
+    for th, s in zip(thoughts, scores):
+        role = DECISIONS[int(np.argmax(s))]
+        out.append((role, decision_turn(th, role)))
+    return out
 
 
 def turn_prompt(traj: Trajectory, role: str, tokenizer) -> tuple[list[int], list[int]]:
@@ -102,14 +174,18 @@ class Episode:
 
 def run_role_loop(starts: Sequence[Trajectory], generate: Callable[[Sequence[Request]], Sequence[Completion]],
                   tokenizer, config: RoleLoopConfig, *, stop_token_ids: Sequence[int] = (),
-                  observe: Callable[[str], str] | None = None) -> list[Episode]:
+                  observe: Callable[[str], str] | None = None, score: ScoreFn | None = None) -> list[Episode]:
     """Run the loop on every start (a trajectory holding the request: system, functions, user
     turn(s)) until each episode ends; returns the finished episodes in order.
 
     generate: requests -> completions (e.g. ``Sampler.generate`` with the adapter bound); one call
     per round, rows of every role together. observe: executor text -> observation text (None: no
-    environment; the episode ends after the executor, as with ``stop_after_executor``).
+    environment; the episode ends after the executor, as with ``stop_after_executor``). score:
+    continuations -> log-probabilities (needed by ``role_choice="likelihood"``; one call per round
+    with a reasoner turn, both decisions of every such episode together).
     """
+    if config.role_choice == "likelihood" and score is None:
+        raise ValueError("run_role_loop: role_choice='likelihood' needs a score function")
     eps = [Episode(traj=s) for s in starts]
     while True:
         live = [e for e in eps if e.role is not None]
@@ -121,12 +197,21 @@ def run_role_loop(starts: Sequence[Trajectory], generate: Callable[[Sequence[Req
             reqs.append(Request(prompt_ids=ids, prompt_roles=roles, role=ROLE_NAMES.index(e.role),
                                 max_new_tokens=config.budget(e.role), temperature=config.temperature,
                                 stop_token_ids=tuple(stop_token_ids)))
-        for e, c in zip(live, generate(reqs), strict=True):
-            text = c.text.strip() or "(empty)"  # a role turn is never empty (the format requires content)
+        comps = generate(reqs)
+        texts = [c.text.strip() or "(empty)" for c in comps]  # a role turn is never empty (the format requires content)
+        decided = {}
+        if config.role_choice == "likelihood":
+            idx = [i for i, e in enumerate(live) if e.role == "reasoner"]
+            picks = choose_decisions([live[i].traj for i in idx], [texts[i] for i in idx], score, tokenizer)
+            decided = dict(zip(idx, picks))
+        for i, (e, c, text) in enumerate(zip(live, comps, texts, strict=True)):
+            if i in decided:
+                text = decided[i][1]
             e.add(Turn(e.role, text))
             e.tokens += len(c.token_ids)
             e.role_turns += 1
-            e.role = None if e.role_turns >= config.max_turns else _after(e.role, text, config, observe, e)
+            e.role = None if e.role_turns >= config.max_turns else (
+                decided[i][0] if i in decided else _after(e.role, text, config, observe, e))
 
 
 def _after(role: str, text: str, config: RoleLoopConfig, observe, episode: Episode) -> str | None:

@@ -3,6 +3,7 @@ generations are what every row prefilling its own prompt gives."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -67,6 +68,22 @@ def test_share_rows_copies_whole_rows_in_both_cache_layouts():
     assert out.prefix_states is None
 
 
+@contextlib.contextmanager
+def counting_prefill_rows(sampler):
+    """Records the batch rows of every prefill call the sampler makes inside the block."""
+    rows, inner = [], sampler._prefill
+
+    def spy(params, bank_arg, prompts, *args, **kwargs):
+        rows.append(prompts.tokens.shape[0])
+        return inner(params, bank_arg, prompts, *args, **kwargs)
+
+    sampler._prefill = spy
+    try:
+        yield rows
+    finally:
+        sampler._prefill = inner
+
+
 @pytest.fixture(scope="module")
 def samplers():
     params = init_params(jax.random.PRNGKey(0), CFG)
@@ -99,18 +116,8 @@ def _candidate_requests(temperature):
 def test_shared_prefill_generates_what_separate_prefills_generate(samplers, temperature):
     bank, shared, alone = samplers
     reqs = _candidate_requests(temperature)
-    rows_prefilled = []
-    inner = shared._prefill
-
-    def spy(params, bank_arg, prompts, *args, **kwargs):
-        rows_prefilled.append(prompts.tokens.shape[0])
-        return inner(params, bank_arg, prompts, *args, **kwargs)
-
-    shared._prefill = spy
-    try:
+    with counting_prefill_rows(shared) as rows_prefilled:
         got = shared.generate(bank, reqs, key=jax.random.PRNGKey(7))
-    finally:
-        shared._prefill = inner
     want = alone.generate(bank, reqs, key=jax.random.PRNGKey(7))
     assert rows_prefilled == [4]  # 4 distinct prefills for 8 rows: the 4-row bucket, not the 8-row one
     for g, w in zip(got, want):
@@ -127,16 +134,6 @@ def test_no_sharing_when_the_distinct_requests_fill_the_same_bucket(samplers):
     bank, shared, _ = samplers
     distinct = {(tuple(r.prompt_ids), tuple(r.expert_ids)): r for r in _candidate_requests(0.0)}
     reqs = list(distinct.values())[:3] + [list(distinct.values())[0]]  # 3 distinct of 4: bucket 4 either way
-    rows_prefilled = []
-    inner = shared._prefill
-
-    def spy(params, bank_arg, prompts, *args, **kwargs):
-        rows_prefilled.append(prompts.tokens.shape[0])
-        return inner(params, bank_arg, prompts, *args, **kwargs)
-
-    shared._prefill = spy
-    try:
+    with counting_prefill_rows(shared) as rows_prefilled:
         shared.generate(bank, reqs, key=jax.random.PRNGKey(0))
-    finally:
-        shared._prefill = inner
     assert rows_prefilled == [4]

@@ -46,7 +46,7 @@ Usage:  python bench/gpu.py [--models qwen3-4b,llama-3.1-8b] [--batches 16,64,25
         [--peak-tflops 790] [--out gpu.json] [--no-hf] [--tiny]
 On the device: launch/gpu_bench.sh (XLA flags, memory fraction, writes to $OUT).
 
-Results: not measured yet (no device was lent to the task that wrote this).
+Results: README "Performance", GPU figures (one H200, 2026-12-04).
 """
 
 from __future__ import annotations

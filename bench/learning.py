@@ -10,7 +10,11 @@ decoding. Variant A (untrained) is evaluated once per seed, and always runs as t
 its evaluation is the step-0 point of every trained variant of that seed (all start from the
 backbone: LoRA B matrices are zero at init, so greedy outputs are identical).
 A finished (variant, seed) is kept (``<workdir>/<variant>_s<seed>/learning_run.json``) and not rerun,
-so an interrupted matrix resumes; ``--fresh`` starts over. Writes ``learning.json``,
+so an interrupted matrix resumes; ``--fresh`` starts over.
+``--eval-split validation`` evaluates on the last ``2 x --eval-tasks`` tasks of the *train* split
+instead (training cycles through the train split from task 0 and never reaches them in such a
+run): the split for choosing hyper-parameters (learning rate, steps) without seeing iid or OOD;
+its columns are labelled ``val-a`` / ``val-b`` in the printout. Writes ``learning.json``,
 ``learning.md`` and ``learning.png`` (bench/learning_report.py) to ``--workdir``; the last printed
 line is ``learning: D-A +X.X points on held-out iid tasks (seeds ...)``.
 """
@@ -116,6 +120,23 @@ def run_one(args, variant: str, seed: int, iid, ood, step0: dict | None = None) 
     return rec
 
 
+def validation_tasks(args, ap):
+    """Two slices of ``--eval-tasks`` from the end of the train split, checked to lie beyond
+    every task these runs train on (training takes tasks_per_step tasks per step from task 0)."""
+    from morse_jax.tasks.pyfuncs.data import load_split
+
+    train = load_split("train")
+    n = args.eval_tasks
+    used = 0
+    for v in args.variants.split(","):
+        cfg = apply_overrides(load_config(Path(args.config), v.strip() or "D"), args.set)
+        used = max(used, args.steps * cfg.data.tasks_per_step)
+    if used > len(train) - 2 * n:
+        ap.error(f"--eval-split validation: training reads train tasks 0..{used - 1}, which reaches the "
+                 f"validation slices (the last {2 * n} of {len(train)}); use fewer --steps or --eval-tasks")
+    return train[-n:], train[-2 * n:-n]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="A,B,C,D", help="comma-separated (A is always run as the reference)")
@@ -128,6 +149,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="GROUP.FIELD=VALUE",
                     help="config override for every run, e.g. --set rollout.max_new_tokens=64")
     ap.add_argument("--fresh", action="store_true", help="rerun (variant, seed) pairs that already finished")
+    ap.add_argument("--eval-split", choices=("heldout", "validation"), default="heldout",
+                    help="heldout: iid + OOD splits (the experiment); validation: two slices from the end of the "
+                         "train split, never trained on (for choosing hyper-parameters)")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1:
         ap.error("--steps and --eval-every must be >= 1")
@@ -143,18 +167,28 @@ def main(argv=None) -> int:
     quiet_logs()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    iid, ood = load_split("iid", args.eval_tasks), load_split("ood", args.eval_tasks)
+    if args.eval_split == "validation":
+        iid, ood = validation_tasks(args, ap)
+        print(f"validation mode: 'iid' = train tasks {iid[0].task_id}..{iid[-1].task_id}, "
+              f"'ood' = {ood[0].task_id}..{ood[-1].task_id} (never trained on here)", flush=True)
+    else:
+        iid, ood = load_split("iid", args.eval_tasks), load_split("ood", args.eval_tasks)
     t0 = time.time()
     runs = [run_one(args, "A", s, iid, ood) for s in args.seeds]
     a_eval = {r["seed"]: r["evals"][0] for r in runs}
     runs += [run_one(args, v, s, iid, ood, a_eval[s]) for v in variants if v != "A" for s in args.seeds]
     info = {"command": "python bench/learning.py " + " ".join(sys.argv[1:] if argv is None else argv),
-            "config": Path(args.config).name, "eval tasks": f"{len(iid)} iid + {len(ood)} OOD (greedy)",
+            "config": Path(args.config).name,
+            "eval tasks": (f"{len(iid)} iid + {len(ood)} OOD (greedy)" if args.eval_split == "heldout" else
+                           f"VALIDATION: 'iid' = {len(iid)} + 'ood' = {len(ood)} train-split tail tasks (greedy)"),
             "wall time of this invocation (s)": round(time.time() - t0, 1),
             "wall time of all runs (s)": round(sum(r["wall_s"] for r in runs), 1)}
     summary = write_outputs(workdir, runs, info)
     print(f"wrote {workdir / 'learning.md'}, learning.json, learning.png")
-    print(headline(summary))
+    line = headline(summary)
+    if args.eval_split == "validation":
+        line = line.replace("held-out iid tasks", "validation tasks (train-split tail)")
+    print(line)
     return 0
 
 

@@ -103,3 +103,26 @@ def test_tiny_runner_run_end_to_end(tmp_path):
     assert set(rec["summary"]["variants"]) == {"A", "D"}
     assert [e["step"] for e in rec["runs"][1]["evals"]] == [0, 1]
     assert (tmp_path / "learning.png").exists() and (tmp_path / "learning.md").exists()
+
+
+def test_validation_split_is_the_train_tail_beyond_every_trained_task():
+    """--eval-split validation: two slices from the end of the train split, and an error when the
+    runs would train on them (training reads tasks_per_step tasks per step from task 0)."""
+    import argparse
+
+    import learning
+    from morse_jax.tasks.pyfuncs.data import SPLIT_SIZES, make_task
+
+    ap = argparse.ArgumentParser()
+    args = argparse.Namespace(variants="D", steps=10, eval_tasks=3, set=[], config=str(ROOT / "configs/learn_cpu.py"))
+    val_a, val_b = learning.validation_tasks(args, ap)
+    n = SPLIT_SIZES["train"]
+    assert [t.description for t in val_a] == [make_task("train", i).description for i in range(n - 3, n)]
+    assert [t.description for t in val_b] == [make_task("train", i).description for i in range(n - 6, n - 3)]
+    # 2 tasks per step (configs/learn_cpu.py): step n/2 - 2 would read task n - 5, inside val_b
+    args.steps = n // 2 - 2
+    with pytest.raises(SystemExit):
+        learning.validation_tasks(args, ap)
+    args.steps, args.set = 10, ["data.tasks_per_step=400"]  # 4000 tasks read: reaches the slices
+    with pytest.raises(SystemExit):
+        learning.validation_tasks(args, ap)

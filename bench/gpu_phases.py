@@ -130,6 +130,7 @@ def phase_sample(args, cfg, spec, budget: Budget, result: dict, out: Path) -> No
 
     from morse_jax.mole.experts import init_expert_bank
     from morse_jax.parallel.memory import memory_plan
+    from morse_jax.sampling.requests import prefill_token_rows
     from morse_jax.sampling.sampler import Request, Sampler
 
     sconf = sampler_config(args)
@@ -185,7 +186,7 @@ def phase_sample(args, cfg, spec, budget: Budget, result: dict, out: Path) -> No
             note(result, "errors", f"batch {B}: {str(e).splitlines()[0][:300]}")
             break  # larger batches need more
         plan = memory_plan(cfg, spec, batch=args.micro_batch, cache_len=args.prompt + args.new, seq_len=args.seq,
-                           dtype="bfloat16", sample_batch=B, prefill_rows=sconf.prefill_rows)
+                           dtype="bfloat16", sample_batch=B, prefill_rows=prefill_token_rows(sconf))
         r["memory"] = vs_plan(device_memory(), plan.sample_peak, setup and setup["peak"])
         save(out, result)
     del sampler

@@ -113,6 +113,26 @@ def test_sampler_buckets_end_at_any_max_batch():
     assert buckets_up_to((1, 2, 4), 1) == (1,)
 
 
+def test_prefill_rows_by_backend_or_as_configured():
+    """0 = the backend's default, resolved when a batch is shaped (512 token rows per chunk on CPU,
+    4096 on accelerators: a GPU run prefilled 64 x 512 tokens in 64 chunks of 8 at ~10x its FLOP
+    time); a set value is used as is, and the config never asks JAX for the backend."""
+    from morse_jax.config.derived import sampler_config
+    from morse_jax.sampling.requests import Request, batch_shape, prefill_token_rows
+
+    cfg = defaults()
+    s = sampler_config(cfg)
+    assert s.prefill_rows == 0
+    assert prefill_token_rows(s, "cpu") == 512 and prefill_token_rows(s, "gpu") == 4096
+    assert prefill_token_rows(s, "tpu") == 4096 and prefill_token_rows(s) == 512  # the tests run on CPU
+    cfg.sampler.prefill_rows = 1024
+    s = sampler_config(cfg)
+    assert prefill_token_rows(s, "gpu") == 1024 and prefill_token_rows(s, "cpu") == 1024
+    # 16 rows of a 256-token prompt bucket: 1024 / 16 = 64-token chunks
+    reqs = [Request(list(range(1, 201)), [], [], max_new_tokens=8) for _ in range(16)]
+    assert batch_shape(reqs, s).chunk == 64
+
+
 @pytest.mark.parametrize("dotted,value,pattern", [
     ("rollout.min_nodes", 9, r"^config\.rollout\.min_nodes: 9 exceeds config\.rollout\.max_nodes=8$"),
     ("rollout.eval_top_p", 0.0, r"^config\.rollout\.eval_top_p: must be in \(0, 1\]"),
@@ -123,6 +143,7 @@ def test_sampler_buckets_end_at_any_max_batch():
     ("srdd.completeness_mode", "lines", r"^config\.srdd\.completeness_mode: must be one of"),
     ("mole.targets", ("q", "x"), r"^config\.mole\.targets: unknown \['x'\]"),
     ("sampler.chunk", 0, r"^config\.sampler\.chunk: must be >= 1"),
+    ("sampler.prefill_rows", -1, r"^config\.sampler\.prefill_rows: must be >= 0"),
 ])
 def test_cross_field_and_range_errors_name_the_field(dotted, value, pattern):
     with pytest.raises(ConfigError, match=pattern):

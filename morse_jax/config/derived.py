@@ -74,7 +74,7 @@ def sampler_config(cfg, *, return_prefix_states: bool = False) -> SamplerConfig:
                          prompt_buckets=prompts, new_token_buckets=new_tokens,
                          max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk, max_active=max_active(cfg),
                          return_prefix_states=return_prefix_states, cpu_kernels=cfg.sampler.cpu_kernels,
-                         refill=bool(cfg.sampler.get("refill", False)))
+                         refill=bool(cfg.sampler.get("refill", False)), prefill_rows=cfg.sampler.get("prefill_rows", 0))
 
 
 def train_steps(cfg, n_train_tasks: int) -> int:

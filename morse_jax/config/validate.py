@@ -102,6 +102,8 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
             check_top_k(cfg.mole.top_k, cfg.mole.num_subtask, "config.mole.top_k", "config.mole.num_subtask")
         except ValueError as e:
             raise ConfigError(str(e)) from e
+    if cfg.sampler.get("prefill_rows", 0) < 0:
+        raise ConfigError(f"config.sampler.prefill_rows: must be >= 0 (0: by backend), got {cfg.sampler.prefill_rows}")
     if cfg.sampler.cpu_kernels not in ("auto", "on", "off"):
         raise ConfigError(f"config.sampler.cpu_kernels: must be auto, on or off, got {cfg.sampler.cpu_kernels!r}")
     for name in ("top_p", "eval_top_p"):

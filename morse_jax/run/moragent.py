@@ -82,7 +82,8 @@ def sampler_config(cfg) -> SamplerConfig:
                          prompt_buckets=buckets_up_to(d.prompt_buckets, 8192),
                          new_token_buckets=buckets_up_to(d.new_token_buckets, budget) if budget > max(
                              d.new_token_buckets) else d.new_token_buckets,
-                         max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk, cpu_kernels=cfg.sampler.cpu_kernels)
+                         max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk, cpu_kernels=cfg.sampler.cpu_kernels,
+                         prefill_rows=cfg.sampler.get("prefill_rows", 0))
 
 
 class AgentJob:

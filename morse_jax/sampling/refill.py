@@ -46,6 +46,7 @@ from morse_jax.sampling.requests import (
     bucket,
     pack_requests,
     prefill_chunk,
+    prefill_token_rows,
 )
 from morse_jax.sampling.state import PrefillOutput, SamplingState, initial_state
 
@@ -189,7 +190,7 @@ def run_refill(progs: RefillPrograms, config: SamplerConfig, tokenizer, reqs: Se
         req = reqs[j]
         L = len(req.prompt_ids)
         Pb = bucket(L, config.prompt_buckets, "prompt length")
-        chunk = prefill_chunk(config.prefill_rows, 1, Pb)
+        chunk = prefill_chunk(prefill_token_rows(config), 1, Pb)
         end = -(-L // chunk) * chunk
         prompts, ex, st, _ = pack_requests([req], BatchShape(1, Pb, chunk, end, N), config.max_active, roles=roles)
         with contextlib.nullcontext() if profile is None else profile.phase("prefill"):

@@ -122,7 +122,8 @@ class SamplerConfig:
     # LoRA composition inside the sampler (same maths): "gather" each row's experts, "onehot"
     # all experts with per-row weights, or "auto" (onehot while E <= rows * max_active).
     lora_compose: str = "auto"
-    prefill_rows: int = 512  # prompt tokens per prefill chunk, summed over the batch (see Sampler._chunk)
+    # prompt tokens per prefill chunk, summed over the batch (prefill_token_rows); 0: by backend
+    prefill_rows: int = 0
     # Prefill each distinct request of a micro-batch once (same prompt, prompt roles, expert set
     # and role: the M candidates of an HGRPO route) when they fit a smaller batch bucket, and copy
     # its rows (sampling.shared_prefill). Same outputs; off = every row prefills its own prompt.
@@ -151,9 +152,11 @@ class SamplerConfig:
             b = tuple(getattr(self, name))
             if not b or any(x < 1 for x in b) or list(b) != sorted(set(b)):
                 raise ValueError(f"sampler.{name} must be non-empty, positive and strictly ascending, got {b}")
-        for name in ("max_batch", "chunk", "k_cap", "max_active", "prefill_rows"):
+        for name in ("max_batch", "chunk", "k_cap", "max_active"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"sampler.{name} must be >= 1, got {getattr(self, name)}")
+        if int(self.prefill_rows) < 0:
+            raise ValueError(f"sampler.prefill_rows must be >= 0 (0: by backend), got {self.prefill_rows}")
         if self.lora_compose not in ("auto", "gather", "onehot"):
             raise ValueError(f"sampler.lora_compose must be auto, gather or onehot, got {self.lora_compose!r}")
         if self.decode_path not in DECODE_PATHS:
@@ -227,6 +230,24 @@ class BatchShape:
         return self.prompt_end // self.chunk
 
 
+CPU_PREFILL_ROWS, ACCELERATOR_PREFILL_ROWS = 512, 4096
+
+
+def prefill_token_rows(config: SamplerConfig, backend: str | None = None) -> int:
+    """Prompt tokens per prefill chunk: ``config.prefill_rows``, or for 0 the backend's default.
+    CPU: 512 (wider chunks cost CPU time, README "prefill"). GPU/TPU: 4096, because with 512 a
+    64 x 512-token prefill ran as 64 chunks of 8 tokens at ~10x its FLOP time on an H200 (README
+    "GPU figures"); a chunk's scores are [4096, heads, cache] floats, ~5 GB at 32 heads x 10k slots.
+    Resolved when a batch is shaped (the backend is known then), never at config time."""
+    if config.prefill_rows:
+        return int(config.prefill_rows)
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return CPU_PREFILL_ROWS if backend == "cpu" else ACCELERATOR_PREFILL_ROWS
+
+
 def prefill_chunk(prefill_rows: int, batch: int, prompt_bucket: int) -> int:
     """Prefill chunk length: a power of two near ``prefill_rows / batch`` dividing the bucket."""
     c = max(1, prefill_rows // batch)
@@ -239,7 +260,7 @@ def batch_shape(reqs: Sequence[Request], config: SamplerConfig) -> BatchShape:
     B = bucket(len(reqs), config.batch_buckets, "batch")
     P_max = max(len(r.prompt_ids) for r in reqs)
     P = bucket(P_max, config.prompt_buckets, "prompt length")
-    chunk = prefill_chunk(config.prefill_rows, B, P)
+    chunk = prefill_chunk(prefill_token_rows(config), B, P)
     N = bucket(max(r.max_new_tokens for r in reqs), config.new_token_buckets, "max_new_tokens")
     return BatchShape(rows=B, prompt=P, chunk=chunk, prompt_end=-(-P_max // chunk) * chunk, new_tokens=N)
 

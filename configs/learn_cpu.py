@@ -31,6 +31,9 @@ def get_config(variant="D"):
     c.rollout.eval_max_new_tokens = 96
     c.train.steps = 20
     c.train.micro_batch = 8
-    c.train.lora_lr = 2e-4
+    # chosen on the train split's tail, never on iid/OOD (bench/learning.py --eval-split validation):
+    # 2e-4 left every greedy answer unchanged after 5 steps; 1e-3 took the validation reward from
+    # 35.3 to 45.8 (and 31.5 to 40.3) in 10 steps of D, seed 0 (README "Does it learn?")
+    c.train.lora_lr = 1e-3
     c.train.checkpoint_every = 5
     return apply_variant(c, variant)

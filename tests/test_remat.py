@@ -186,7 +186,6 @@ def temp_bytes():
     return cfg, spec, out
 
 
-@pytest.mark.slow
 def test_layer_remat_frees_the_attention_of_all_but_one_layer(temp_bytes):
     _, _, temp = temp_bytes
     scores = ROWS * HEADS * T * T * 4  # one layer's float32 [B, H, T, T]
@@ -195,7 +194,6 @@ def test_layer_remat_frees_the_attention_of_all_but_one_layer(temp_bytes):
     assert temp["none"] - temp["layer"] >= (N_ADAPT - 1) * scores, temp
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "layer"])
 def test_memory_plan_models_the_compiled_update(temp_bytes, remat):
     """The plan's update activations against XLA's temporary bytes (CPU, float32): within

@@ -125,6 +125,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget", type=float, default=450.0, help="seconds for everything (children share it)")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the device, TFLOP/s")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    ap.add_argument("--remat", default="layer", choices=("none", "layer"),
+                    help="the update's train.remat (none: every adapted layer's [B, H, T, T] attention is kept)")
     ap.add_argument("--tiny", action="store_true", help="tiny configs and sizes (CPU smoke test)")
     ap.add_argument("--out", default="gpu_bench.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)

@@ -247,7 +247,8 @@ def phase_update(args, cfg, spec, budget: Budget, result: dict, out: Path) -> No
     result["setup_memory"] = setup
     mb = args.micro_batch
     while mb >= 1 and budget.left() > 0:
-        tcfg = TrainConfig(micro_batch=mb, max_active=spec.max_active, length_buckets=(args.seq,))
+        tcfg = TrainConfig(micro_batch=mb, max_active=spec.max_active, length_buckets=(args.seq,),
+                           remat=getattr(args, "remat", "layer"))
         trainer = Trainer(cfg, bb.params, spec, tcfg)
         trainable = init_trainable(jax.random.key(3), cfg, spec, tcfg, jax.numpy.bfloat16)
         opt = trainer.init_opt_state(trainable)
@@ -278,9 +279,10 @@ def phase_update(args, cfg, spec, budget: Budget, result: dict, out: Path) -> No
         per_mb = update_flops(cfg, spec, rows=mb, seq=args.seq, completion=comp, n_active=n_active)
         n_mb = -(-len(seqs) // mb)
         flops = {k: v * len(seqs) / mb for k, v in per_mb.items()}  # every micro-batch is full here
-        plan = memory_plan(cfg, spec, batch=mb, cache_len=args.prompt + args.new, seq_len=args.seq, dtype="bfloat16")
+        plan = memory_plan(cfg, spec, batch=mb, cache_len=args.prompt + args.new, seq_len=args.seq, dtype="bfloat16",
+                           remat=tcfg.remat)
         result["update"] = {
-            "micro_batch": mb, "micro_batches": n_mb, "seq": args.seq, "completion": comp, "sequences": len(seqs),
+            "micro_batch": mb, "remat": tcfg.remat, "micro_batches": n_mb, "seq": args.seq, "completion": comp, "sequences": len(seqs),
             "update_s": wall, "first_update_s": first, "tokens_s": len(seqs) * args.seq / wall,
             "generated_tokens_s": len(seqs) * comp / wall, "flops": flops, "tflop_s": flops["total"] / wall / 1e12,
             "mfu": flops["total"] / wall / (args.peak_tflops * 1e12), "token_nll": m["token_nll"],

@@ -123,6 +123,10 @@ def get_config() -> ml_collections.ConfigDict:
     # and the update starts there (the frozen prefix is not run twice); costs d values per token
     # of host memory until the update (SamplerConfig.return_prefix_states)
     c.train.reuse_prefix_states = True
+    # what the update's backward pass keeps of the adapted layers: none (every layer's residuals,
+    # [micro_batch, heads, T, T] attention scores included) | layer (each layer's input only; its
+    # forward runs again in the backward pass: long sequences fit, more compute). The paper configs: layer
+    c.train.remat = "none"
     c.train.min_std = 5e-4
     c.train.clip_advantage = 5.0
     c.train.checkpoint_every = 1

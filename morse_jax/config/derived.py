@@ -93,7 +93,8 @@ def memory_plan(cfg, model_config, spec: ExpertBankSpec | None, mesh_shape: Sequ
     n = max(r.max_new_tokens, r.eval_max_new_tokens)
     return par.memory_plan(model_config, spec, "adamw", batch=cfg.train.micro_batch,
                            cache_len=[p + n for p in (512, 1024, 2048)], seq_len=1024 + n,
-                           mesh_shape=tuple(mesh_shape), dtype=cfg.model.dtype, sample_batch=cfg.sampler.max_batch)
+                           mesh_shape=tuple(mesh_shape), dtype=cfg.model.dtype, sample_batch=cfg.sampler.max_batch,
+                           remat=cfg.train.remat)
 
 
 def train_config(cfg) -> TrainConfig:
@@ -106,7 +107,7 @@ def train_config(cfg) -> TrainConfig:
                        entropy_weight=t.entropy_weight, orthogonality_weight=t.orthogonality_weight,
                        kl_beta=t.kl_beta, approx_set_logp=t.approx_set_logp, top_k=cfg.mole.top_k,
                        micro_batch=t.micro_batch, max_active=max_active(cfg),
-                       reuse_prefix_states=t.reuse_prefix_states)
+                       reuse_prefix_states=t.reuse_prefix_states, remat=t.remat)
 
 
 def orchestrator_config(cfg, mode: str, *, stop_token_ids=(), stop_strings=(),

@@ -67,6 +67,9 @@ def paper_config(backbone: str, benchmark: str, variant: str = "D") -> ml_collec
     c.train.alpha_pi, c.train.clip_advantage, c.train.min_std = 0.15, 5.0, 5e-4
     c.train.entropy_weight, c.train.orthogonality_weight = 0.02, 0.05
     c.train.micro_batch = 8
+    # long sequences: without rematerialisation the backward pass keeps every adapted layer's
+    # [micro_batch, heads, T, T] attention (micro-batch 4 x 3072 tokens ran out of memory on an H200)
+    c.train.remat = "layer"
     c.train.checkpoint_every = 10
     c.sampler.max_batch = 64  # the job's batch buckets are powers of two up to this
     c.parallel.mesh = mesh

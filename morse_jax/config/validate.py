@@ -129,6 +129,7 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
     if cfg.train.loss_normalisation not in ("sequence_mean", "sequence_sum"):
         raise ConfigError(f"config.train.loss_normalisation: must be sequence_mean or sequence_sum, "
                           f"got {cfg.train.loss_normalisation!r}")
+    _choice(cfg, "train.remat", ("none", "layer"))
     from morse_jax.tasks.registry import FAMILIES
 
     if cfg.data.family not in FAMILIES:

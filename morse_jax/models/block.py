@@ -165,3 +165,21 @@ def decoder_layer(cfg: ModelConfig, layout, lp: dict, x: jax.Array, dims: LayerD
     if "layer_scalar" in lp:
         x = x * lp["layer_scalar"].astype(x.dtype)
     return x, record, aux
+
+
+REMAT = ("none", "layer")  # what a backward pass keeps of an adapted layer (train.remat)
+
+
+def remat_layer(fn: Callable, remat: str) -> Callable:
+    """``fn`` (one adapted layer) as differentiated: "none" as is (the backward pass keeps all its
+    residuals, the [B, H, T, S] attention scores and probabilities included); "layer" under
+    ``jax.checkpoint`` saving only matmul outputs without batch dims (the projections', O(T)), so
+    the backward pass re-runs attention (batched matmuls, O(T^2)) and the elementwise ops, one
+    layer at a time. Saving nothing would re-run the projections too, most of a layer's FLOPs,
+    to save O(T) memory (README "Layer rematerialisation"). ``prevent_cse=False``: under
+    ``lax.scan`` the loop already keeps XLA from merging the recompute into the forward (jax docs)."""
+    if remat == "none":
+        return fn
+    if remat != "layer":
+        raise ValueError(f"remat must be one of {REMAT}, got {remat!r}")
+    return jax.checkpoint(fn, prevent_cse=False, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)

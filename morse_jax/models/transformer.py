@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from morse_jax.models.adapters import GROUPS, LoraInputs, StackedAdapter  # noqa: F401 - LoraInputs re-exported
-from morse_jax.models.block import LayerDims, RowsLayout, decoder_layer
+from morse_jax.models.block import REMAT, LayerDims, RowsLayout, decoder_layer, remat_layer
 from morse_jax.models.config import ModelConfig
 from morse_jax.models.layers import (Rope, attend, attention_masks, embed, final_logits, per_layer_inputs,
                                      positions_from_valid, rms_norm, rope_for)
@@ -109,9 +109,10 @@ def _block(cfg: ModelConfig, lp, x, sliding, attn: AttnInputs, cache_kv, adapter
 
 
 def _run_segment(cfg, seg, layer_ids, x, attn, seg_cache, lora, ple=None, shared=None, want_kv=False,
-                 kv_store=None):
+                 kv_store=None, remat: str = "none"):
     """Run one segment. ``lora``: a StackedAdapter over every layer of a stacked segment; for an
     unrolled one, per layer an adapter value or None (see ``_segment_lora``).
+    remat: see :func:`forward`; applies to the layers that carry an adapter.
 
     layer_ids: the segment's (global) layer indices. KV sharing (Gemma 4): a stacked segment of
     KV-shared layers attends to ``shared`` (k, v); with ``want_kv`` it also returns every layer's
@@ -129,8 +130,12 @@ def _run_segment(cfg, seg, layer_ids, x, attn, seg_cache, lora, ple=None, shared
             kv = None if seg_cache is None or seg_cache[i] is None else (seg_cache[i]["k"], seg_cache[i]["v"])
             gid = layer_ids[i]
             shared_i = kv_store[cfg.kv_producer(gid)] if modes[gid] == "reuse" else None
-            x, nc, used, aux = _block(cfg, lp, x, bool(flags[i]), attn, kv, None if lora is None else lora[i],
-                                      None if ple is None else ple[i], shared_i)
+            adapter, ple_i = (None if lora is None else lora[i]), (None if ple is None else ple[i])
+
+            def layer(x, lp=lp, sliding=bool(flags[i]), kv=kv, adapter=adapter, ple_i=ple_i, shared_i=shared_i):
+                return _block(cfg, lp, x, sliding, attn, kv, adapter, ple_i, shared_i)
+
+            x, nc, used, aux = (layer if adapter is None else remat_layer(layer, remat))(x)
             if modes[gid] == "store":
                 kv_store[gid] = used
             new_caches.append(None if nc is None else {"k": nc[0], "v": nc[1]})
@@ -147,6 +152,8 @@ def _run_segment(cfg, seg, layer_ids, x, attn, seg_cache, lora, ple=None, shared
         x, nc, used, aux = _block(cfg, lp, x, sliding, attn, kv, adapter, ple_i, shared)
         return x, (nc, used if want_kv else None, aux)
 
+    if lora is not None:
+        body = remat_layer(body, remat)
     kv = None if seg_cache is None else (seg_cache["k"], seg_cache["v"])
     x, (nc, used, aux) = jax.lax.scan(body, x, (seg, jnp.asarray(flags), kv, layer_lora, ple))
     return x, (None if nc is None else {"k": nc[0], "v": nc[1]}), used, aux
@@ -200,6 +207,7 @@ def forward(
     stop_layer: int | None = None,
     segment_ids: jax.Array | None = None,
     with_aux: bool = False,
+    remat: str = "none",
 ):
     """Decoder forward pass.
 
@@ -224,6 +232,8 @@ def forward(
       segment_ids: int[B, T] packed segments (tokens attend only within their own); no cache.
       with_aux: also return the adapter's auxiliary outputs (``adapters.project_aux``) stacked
         over the adapted layers that ran, {name: [L, ...]} ({} without any).
+      remat: one of ``REMAT`` (static): "none", or "layer": the backward pass recomputes each
+        adapted layer's attention instead of keeping it (``block.remat_layer``). Same values.
 
     Returns:
       (logits float32, new_cache or None), plus the aux with ``with_aux``.
@@ -236,6 +246,8 @@ def forward(
     _check_layer_range(cfg, start_layer, hidden, stop_layer, (B, T))
     if stop_layer is None and logits_mode not in ("all", "last", "hidden"):
         raise ValueError(f"logits_mode must be 'all', 'last' or 'hidden', got {logits_mode!r}")
+    if remat not in REMAT:
+        raise ValueError(f"remat must be one of {REMAT}, got {remat!r}")
 
     x, ple = _embed(params, cfg, tokens, start_layer, hidden)
     attn, key_valid = _attention_inputs(cfg, valid, positions, cache, params["embed"].dtype)
@@ -244,7 +256,7 @@ def forward(
             raise ValueError("segment_ids (packed rows) are for cache-free forwards")
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         attn = attn._replace(mask_full=attn.mask_full & same, mask_slide=attn.mask_slide & same)
-    x, new_segs, aux = _run_layers(params, cfg, x, attn, cache, lora, ple, start_layer, stop_layer)
+    x, new_segs, aux = _run_layers(params, cfg, x, attn, cache, lora, ple, start_layer, stop_layer, remat)
     new_cache = None if cache is None else {"layers": new_segs, "valid": key_valid, "index": attn.write_index + T}
     out = (x, new_cache) if stop_layer is not None else (_head(params, cfg, x, logits_mode), new_cache)
     return (*out, aux) if with_aux else out
@@ -279,7 +291,7 @@ def _attention_inputs(cfg: ModelConfig, valid, positions, cache, dtype) -> tuple
 
 
 def _run_layers(params: Params, cfg: ModelConfig, x, attn: AttnInputs, cache, lora, ple, start_layer: int,
-                stop_layer: int | None):
+                stop_layer: int | None, remat: str = "none"):
     """Run the segments covering layers start_layer..stop_layer-1 on x [B, T, d].
 
     Returns (x, per-segment new caches: skipped segments' entries passed through, None without a
@@ -306,11 +318,13 @@ def _run_layers(params: Params, cfg: ModelConfig, x, attn: AttnInputs, cache, lo
         seg_cache = None if cache is None else cache["layers"][si]
         seg_ple = None if ple is None else (ple[offset:offset + n] if not unrolled else [ple[i] for i in idx])
         if unrolled:
-            x, nc, _, aux = _run_segment(cfg, seg, idx, x, attn, seg_cache, seg_lora, seg_ple, kv_store=stored)
+            x, nc, _, aux = _run_segment(cfg, seg, idx, x, attn, seg_cache, seg_lora, seg_ple, kv_store=stored,
+                                         remat=remat)
         else:
             shared = stored[_shared_producer(cfg, idx)] if any(modes[i] == "reuse" for i in idx) else None
             want_kv = cache is None and any(modes[i] == "store" for i in idx)
-            x, nc, used, aux = _run_segment(cfg, seg, idx, x, attn, seg_cache, seg_lora, seg_ple, shared, want_kv)
+            x, nc, used, aux = _run_segment(cfg, seg, idx, x, attn, seg_cache, seg_lora, seg_ple, shared, want_kv,
+                                            remat=remat)
             for j, i in enumerate(idx):
                 if modes[i] == "store":  # with a cache: the producer's whole updated cache
                     stored[i] = (nc["k"][j], nc["v"][j]) if cache is not None else (used[0][j], used[1][j])

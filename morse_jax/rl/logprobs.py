@@ -20,14 +20,15 @@ from morse_jax.rl.batch import SequenceBatch, SharedBatch
 
 
 def sequence_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, bank,
-                      batch: SequenceBatch | SharedBatch, *, start_layer: int = 0) -> jax.Array:
+                      batch: SequenceBatch | SharedBatch, *, start_layer: int = 0, remat: str = "none") -> jax.Array:
     """log p(target) under the given experts (0 where masked): :func:`flat_logprobs` for a
     ``SequenceBatch`` (float32[R, L], entry t for the token at t+1), :func:`shared_logprobs` for a
     ``SharedBatch`` (float32[R, Lc], entry j for completion token j). ``spec``/``bank`` None: the
-    backbone alone (experts off)."""
+    backbone alone (experts off). ``remat``: the adapted layers' rematerialisation under
+    differentiation (``transformer.forward``; same values either way)."""
     if isinstance(batch, SharedBatch):
-        return shared_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer)
-    return flat_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer)
+        return shared_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer, remat=remat)
+    return flat_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer, remat=remat)
 
 
 def _restart(states, name: str, start_layer: int):
@@ -40,7 +41,7 @@ def _restart(states, name: str, start_layer: int):
 
 
 def flat_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, bank, batch: SequenceBatch, *,
-                  start_layer: int = 0) -> jax.Array:
+                  start_layer: int = 0, remat: str = "none") -> jax.Array:
     """log p(target) at every position of a ``SequenceBatch``: float32[R, L] (0 where masked).
 
     With ``batch.states`` the layers before ``start_layer`` (the first adapted one) are not run:
@@ -54,7 +55,7 @@ def flat_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, b
     if spec is not None and bank is not None:
         lora = gather_lora(bank, spec, batch.expert_ids, batch.expert_weights, batch.expert_trainable)
     hidden, _ = forward(frozen, model_cfg, batch.tokens, valid=batch.valid, lora=lora, logits_mode="hidden",
-                        start_layer=start, hidden=states)
+                        start_layer=start, hidden=states, remat=remat)
     if batch.logit_index is None:
         return token_logprobs(frozen, model_cfg, hidden, batch.targets) * batch.target_mask
     idx = batch.logit_index
@@ -67,7 +68,7 @@ def flat_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, b
 
 
 def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None, bank, batch: SharedBatch, *,
-                    start_layer: int = 0) -> jax.Array:
+                    start_layer: int = 0, remat: str = "none") -> jax.Array:
     """Completion log-probs for a ``SharedBatch``: float32[R, Lc], entry j the log-prob of
     completion token j (0 where masked).
 
@@ -85,7 +86,7 @@ def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None,
     lora = (gather_lora(bank, spec, batch.prompt_expert_ids, batch.prompt_expert_weights,
                         batch.prompt_expert_trainable) if use else None)
     h_prompt, cache = forward(frozen, model_cfg, batch.prompt_tokens, valid=batch.prompt_valid, cache=cache,
-                              lora=lora, logits_mode="hidden", start_layer=start, hidden=prompt_states)
+                              lora=lora, logits_mode="hidden", start_layer=start, hidden=prompt_states, remat=remat)
     rows = batch.prompt_row
 
     def widen(x):  # each candidate's copy of its prompt's cache, with Lc free slots after the prompt
@@ -97,7 +98,7 @@ def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None,
     lora = (gather_lora(bank, spec, batch.expert_ids, batch.expert_weights, batch.expert_trainable)
             if use else None)
     h_comp, _ = forward(frozen, model_cfg, batch.tokens, valid=batch.valid, cache=cache, lora=lora,
-                        logits_mode="hidden", start_layer=start, hidden=comp_states)
+                        logits_mode="hidden", start_layer=start, hidden=comp_states, remat=remat)
     # completion token 0 is predicted at the prompt's last slot, token j at completion slot j-1
     hidden = jnp.concatenate([h_prompt[rows, -1][:, None], h_comp[:, :-1]], axis=1)
     return token_logprobs(frozen, model_cfg, hidden, batch.tokens) * batch.target_mask

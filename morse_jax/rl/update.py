@@ -50,6 +50,7 @@ import optax
 from flax import struct
 
 from morse_jax.models.config import ModelConfig
+from morse_jax.models.block import REMAT
 from morse_jax.models.transformer import split_segments
 from morse_jax.mole import router as rt
 from morse_jax.mole.experts import ExpertBankSpec, init_expert_bank
@@ -105,6 +106,10 @@ class TrainConfig:
     # start at the first adapted layer from the sampler's prefix_states when every example of an
     # update carries them (SamplerConfig.return_prefix_states); otherwise run the whole model
     reuse_prefix_states: bool = True
+    # what the LoRA gradient's backward pass keeps of the adapted layers (models.transformer.forward):
+    # "none" every layer's residuals ([B, H, T, T] attention included), "layer" each layer's
+    # input (its forward runs twice; fits long sequences, README "Layer rematerialisation")
+    remat: str = "none"
 
     def __post_init__(self):
         for name in ("lora_lr", "router_lr", "micro_batch", "top_k", "router_dim", "ppo_epochs"):
@@ -115,6 +120,8 @@ class TrainConfig:
         if self.loss_normalisation not in losses.NORMALISATIONS:
             raise ValueError(f"train.loss_normalisation must be one of {losses.NORMALISATIONS}, "
                              f"got {self.loss_normalisation!r}")
+        if self.remat not in REMAT:
+            raise ValueError(f"train.remat must be one of {REMAT}, got {self.remat!r}")
         if self.weight_decay < 0 or self.kl_beta < 0 or self.alpha_pi < 0:
             raise ValueError("train.weight_decay, train.kl_beta and train.alpha_pi must be >= 0")
 
@@ -188,7 +195,7 @@ def lora_gradients(params, frozen, batch: SequenceBatch | SharedBatch, *, model_
     """
 
     def loss_fn(bank):
-        new_logp = sequence_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer)
+        new_logp = sequence_logprobs(frozen, model_cfg, spec, bank, batch, start_layer=start_layer, remat=cfg.remat)
         mask = batch.target_mask
         norm = cfg.loss_normalisation
         loss, m = losses.ppo_clip_token_loss(new_logp, batch.old_logp, mask, batch.advantages, eps=cfg.ppo_eps,

@@ -362,3 +362,25 @@ def test_a_paper_config_job_starts_on_a_tiny_model(tmp_path):
     job = Job(cfg, load_tasks=False)
     assert job.sampler.config.max_batch == 64 and max(job.sampler.config.new_token_buckets) >= 8192
     assert job.spec.rank == 8 and job.spec.num_subtask == 4 and job.trains
+
+
+def test_job_memory_plan_counts_the_backends_prefill_chunk():
+    """The plan's sampling activations use the prefill token rows the sampler will use on that
+    backend (512 on CPU, 4096 on a GPU), not the plan function's default."""
+    from morse_jax import parallel as par
+    from morse_jax.config.derived import bank_spec, memory_plan
+    from morse_jax.parallel.memory import PRESETS
+
+    cfg = defaults()
+    model = PRESETS["Qwen3-4B"]
+    spec = bank_spec(cfg)
+    plans = {b: memory_plan(cfg, model, spec, (1, 1, 1), b) for b in ("cpu", "gpu")}
+    for backend, rows in (("cpu", 512), ("gpu", 4096)):
+        direct = par.memory_plan(model, spec, "adamw", batch=cfg.train.micro_batch,
+                                 cache_len=[p + max(cfg.rollout.max_new_tokens, cfg.rollout.eval_max_new_tokens)
+                                            for p in (512, 1024, 2048)],
+                                 seq_len=1024 + max(cfg.rollout.max_new_tokens, cfg.rollout.eval_max_new_tokens),
+                                 mesh_shape=(1, 1, 1), dtype=cfg.model.dtype, sample_batch=cfg.sampler.max_batch,
+                                 remat=cfg.train.remat, prefill_rows=rows)
+        assert plans[backend].components["sampling activations"] == direct.components["sampling activations"]
+    assert plans["gpu"].components["sampling activations"] > plans["cpu"].components["sampling activations"]

@@ -84,17 +84,19 @@ def train_steps(cfg, n_train_tasks: int) -> int:
     return cfg.train.steps
 
 
-def memory_plan(cfg, model_config, spec: ExpertBankSpec | None, mesh_shape: Sequence[int]):
+def memory_plan(cfg, model_config, spec: ExpertBankSpec | None, mesh_shape: Sequence[int], backend: str):
     """The per-device memory plan of this run (``parallel.memory.memory_plan`` with the config's
-    token budgets, update micro-batch and sampler batch)."""
+    token budgets, update micro-batch, sampler batch and the prefill chunk's token rows the sampler
+    uses on ``backend``, e.g. ``jax.default_backend()``)."""
     from morse_jax import parallel as par
+    from morse_jax.sampling.requests import prefill_token_rows
 
     r = cfg.rollout
     n = max(r.max_new_tokens, r.eval_max_new_tokens)
     return par.memory_plan(model_config, spec, "adamw", batch=cfg.train.micro_batch,
                            cache_len=[p + n for p in (512, 1024, 2048)], seq_len=1024 + n,
                            mesh_shape=tuple(mesh_shape), dtype=cfg.model.dtype, sample_batch=cfg.sampler.max_batch,
-                           remat=cfg.train.remat)
+                           remat=cfg.train.remat, prefill_rows=prefill_token_rows(sampler_config(cfg), backend))
 
 
 def train_config(cfg) -> TrainConfig:

@@ -137,7 +137,7 @@ class Job:
             limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
         except Exception:  # CPU backends have no memory stats
             limit = None
-        return memory_plan(self.cfg, self.backbone.config, self.spec, shape).format(limit)
+        return memory_plan(self.cfg, self.backbone.config, self.spec, shape, jax.default_backend()).format(limit)
 
     def split_report(self) -> str:
         """One line per split: tasks and steps used, and those left out with the reason."""

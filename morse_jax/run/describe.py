@@ -202,7 +202,9 @@ def describe(cfg) -> str:
     if model_cfg is not None:
         mesh = tuple(1 if x == -1 else x for x in cfg.parallel.mesh)
         try:
-            plan = memory_plan(cfg, model_cfg, spec, mesh).format(None)
+            import jax  # the sampler's prefill chunk, hence the plan, depends on the backend
+
+            plan = memory_plan(cfg, model_cfg, spec, mesh, jax.default_backend()).format(None)
             note = "; -1 axes counted as 1: set parallel.mesh to plan for your devices" if -1 in cfg.parallel.mesh else ""
             out.append(f"memory plan (mesh {mesh}{note}):")
             out += ["  " + ln for ln in plan.splitlines()]

@@ -595,7 +595,7 @@ def test_bad_config_names_the_field():
     for kw, field in [(dict(batch_buckets=(4, 2)), "batch_buckets"), (dict(prompt_buckets=()), "prompt_buckets"),
                       (dict(max_batch=64), "max_batch"), (dict(k_cap=0), "k_cap"), (dict(chunk=0), "chunk"),
                       (dict(decode_path="scan"), "decode_path"), (dict(lora_compose="merged"), "lora_compose"),
-                      (dict(prefill_rows=0), "prefill_rows"), (dict(cpu_kernels="yes"), "cpu_kernels")]:
+                      (dict(prefill_rows=-1), "prefill_rows"), (dict(cpu_kernels="yes"), "cpu_kernels")]:
         with pytest.raises(ValueError, match=rf"sampler\.{field}"):
             SamplerConfig(**kw)
 

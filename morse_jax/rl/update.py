@@ -108,7 +108,8 @@ class TrainConfig:
     reuse_prefix_states: bool = True
     # what the LoRA gradient's backward pass keeps of the adapted layers (models.transformer.forward):
     # "none" every layer's residuals ([B, H, T, T] attention included), "layer" each layer's
-    # input (its forward runs twice; fits long sequences, README "Layer rematerialisation")
+    # input and projection outputs, attention recomputed (models.block.remat_layer; fits long
+    # sequences, README "Layer rematerialisation")
     remat: str = "none"
 
     def __post_init__(self):

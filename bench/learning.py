@@ -10,7 +10,11 @@ decoding. Variant A (untrained) is evaluated once per seed, and always runs as t
 its evaluation is the step-0 point of every trained variant of that seed (all start from the
 backbone: LoRA B matrices are zero at init, so greedy outputs are identical).
 A finished (variant, seed) is kept (``<workdir>/<variant>_s<seed>/learning_run.json``) and not rerun,
-so an interrupted matrix resumes; ``--fresh`` starts over.
+so an interrupted matrix resumes; ``--fresh`` starts over. ``--records DIR`` (the repository keeps
+its runs' records in ``docs/learning/runs``) makes the matrix span machines and sessions: a record
+``DIR/<variant>_s<seed>.json`` counts as a kept run when its settings (steps, ``--eval-every``,
+``--eval-tasks``, ``--eval-split``, ``--set``, config file) equal this invocation's, and every run
+finished here is copied there.
 ``--eval-split validation`` evaluates on the last ``2 x --eval-tasks`` tasks of the *train* split
 instead (training cycles through the train split from task 0 and never reaches them in such a
 run): the split for choosing hyper-parameters (learning rate, steps) without seeing iid or OOD;
@@ -84,11 +88,10 @@ def run_one(args, variant: str, seed: int, iid, ood, step0: dict | None = None) 
 
     run_dir = Path(args.workdir) / f"{variant}_s{seed}"
     done = run_dir / "learning_run.json"
-    if done.exists() and not args.fresh:
-        rec = json.loads(done.read_text())
-        if rec.get("steps") == (0 if variant == "A" else args.steps):
-            print(f"[{variant} seed {seed}] kept from {done}", flush=True)
-            return rec
+    if not args.fresh:
+        kept = kept_record(args, variant, seed)
+        if kept is not None:
+            return kept
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = load_config(Path(args.config), variant)
     cfg.seed = seed
@@ -115,9 +118,44 @@ def run_one(args, variant: str, seed: int, iid, ood, step0: dict | None = None) 
     train = [{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in writer.read("train")]
     writer.close()
     rec = {"variant": variant, "seed": seed, "steps": cfg.train.steps if job.trains else 0,
-           "wall_s": time.time() - t0, "evals": evals, "train": train}
+           "wall_s": time.time() - t0, "settings": run_settings(args, variant), "evals": evals, "train": train}
     done.write_text(json.dumps(rec, default=str))
+    if args.records is not None:
+        args.records.mkdir(parents=True, exist_ok=True)
+        (args.records / f"{variant}_s{seed}.json").write_text(json.dumps(rec, default=str))
     return rec
+
+
+def run_settings(args, variant: str) -> dict:
+    """What makes two records of one (variant, seed) comparable: everything but the machine."""
+    return {"steps": 0 if variant == "A" else args.steps, "eval_every": args.eval_every,
+            "eval_tasks": args.eval_tasks, "eval_split": args.eval_split, "set": sorted(args.set),
+            "config": Path(args.config).name}
+
+
+def kept_record(args, variant: str, seed: int) -> dict | None:
+    """A finished record of (variant, seed) with this invocation's settings: the run directory's,
+    else ``--records``'s (each copied to the other place when missing there). Records written before settings were
+    stored are matched on their step count alone."""
+    want = run_settings(args, variant)
+    run_dir = Path(args.workdir) / f"{variant}_s{seed}"
+    places = [run_dir / "learning_run.json"]
+    if args.records is not None:
+        places.append(args.records / f"{variant}_s{seed}.json")
+    for path in places:
+        if not path.exists():
+            continue
+        rec = json.loads(path.read_text())
+        have = rec.get("settings", {"steps": rec.get("steps")})
+        if all(want[k] == v for k, v in have.items()) and rec.get("steps") == want["steps"]:
+            for other in places:  # both places hold it afterwards
+                if not other.exists():
+                    other.parent.mkdir(parents=True, exist_ok=True)
+                    other.write_text(path.read_text())
+            print(f"[{variant} seed {seed}] kept from {path}", flush=True)
+            return rec
+        print(f"[{variant} seed {seed}] {path} has other settings ({have}); running it", flush=True)
+    return None
 
 
 def validation_tasks(args, ap):
@@ -149,6 +187,10 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="GROUP.FIELD=VALUE",
                     help="config override for every run, e.g. --set rollout.max_new_tokens=64")
     ap.add_argument("--fresh", action="store_true", help="rerun (variant, seed) pairs that already finished")
+    ap.add_argument("--records", type=Path, default=None, metavar="DIR",
+                    help="finished-run records shared across machines and sessions (e.g. docs/learning/runs): "
+                         "a record with this invocation's settings counts as kept; every run finished here is "
+                         "copied there")
     ap.add_argument("--eval-split", choices=("heldout", "validation"), default="heldout",
                     help="heldout: iid + OOD splits (the experiment); validation: two slices from the end of the "
                          "train split, never trained on (for choosing hyper-parameters)")

@@ -126,3 +126,32 @@ def test_validation_split_is_the_train_tail_beyond_every_trained_task():
     args.steps, args.set = 10, ["data.tasks_per_step=400"]  # 4000 tasks read: reaches the slices
     with pytest.raises(SystemExit):
         learning.validation_tasks(args, ap)
+
+
+def test_records_dir_makes_a_finished_run_kept_only_with_equal_settings(tmp_path, capsys):
+    """--records: a record with this invocation's settings is a kept run (copied into the run
+    directory, no job built); one with other settings is not; a kept run-directory record is
+    copied to the records directory."""
+    import argparse
+
+    import learning
+
+    records = tmp_path / "records"
+    args = argparse.Namespace(workdir=str(tmp_path / "work"), records=records, fresh=False, steps=20, eval_every=10,
+                              eval_tasks=20, eval_split="heldout", set=[], config=str(ROOT / "configs/learn_cpu.py"))
+    rec = {"variant": "B", "seed": 0, "steps": 20, "settings": learning.run_settings(args, "B"), "evals": []}
+    records.mkdir()
+    (records / "B_s0.json").write_text(json.dumps(rec))
+    assert learning.kept_record(args, "B", 0) == rec
+    assert json.loads((tmp_path / "work/B_s0/learning_run.json").read_text()) == rec
+    assert learning.run_settings(args, "A")["steps"] == 0  # A never trains
+    for field, value in (("eval_every", 5), ("eval_tasks", 10), ("steps", 10), ("set", ["train.lora_lr=3e-3"])):
+        other = argparse.Namespace(**{**vars(args), field: value, "workdir": str(tmp_path / f"w_{field}")})
+        assert learning.kept_record(other, "B", 0) is None, field
+    # a legacy record (no settings) is matched on its step count; it is copied to --records
+    legacy = {"variant": "C", "seed": 1, "steps": 20, "evals": []}
+    (tmp_path / "work/C_s1").mkdir(parents=True)
+    (tmp_path / "work/C_s1/learning_run.json").write_text(json.dumps(legacy))
+    assert learning.kept_record(args, "C", 1) == legacy
+    assert json.loads((records / "C_s1.json").read_text()) == legacy
+    assert learning.kept_record(argparse.Namespace(**{**vars(args), "steps": 10}), "C", 1) is None

@@ -10,7 +10,9 @@ decoding. Variant A (untrained) is evaluated once per seed, and always runs as t
 its evaluation is the step-0 point of every trained variant of that seed (all start from the
 backbone: LoRA B matrices are zero at init, so greedy outputs are identical).
 A finished (variant, seed) is kept (``<workdir>/<variant>_s<seed>/learning_run.json``) and not rerun,
-so an interrupted matrix resumes; ``--fresh`` starts over. ``--records DIR`` (the repository keeps
+and an interrupted one goes on from its last evaluated chunk (its evaluations so far are in
+``learning_partial.json`` beside the chunk's checkpoint; other settings start it afresh), so an
+interrupted matrix resumes; ``--fresh`` starts over. ``--records DIR`` (the repository keeps
 its runs' records in ``docs/learning/runs``) makes the matrix span machines and sessions: a record
 ``DIR/<variant>_s<seed>.json`` counts as a kept run when its settings (steps, ``--eval-every``,
 ``--eval-tasks``, ``--eval-split``, ``--set``, config file) equal this invocation's, and every run
@@ -92,7 +94,9 @@ def run_one(args, variant: str, seed: int, iid, ood, step0: dict | None = None) 
         kept = kept_record(args, variant, seed)
         if kept is not None:
             return kept
-    shutil.rmtree(run_dir, ignore_errors=True)
+    resumed = None if args.fresh else resume_point(args, variant, seed)
+    if resumed is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
     cfg = load_config(Path(args.config), variant)
     cfg.seed = seed
     cfg.workdir = str(run_dir)
@@ -102,28 +106,87 @@ def run_one(args, variant: str, seed: int, iid, ood, step0: dict | None = None) 
     apply_overrides(cfg, args.set)
     validate_config(cfg)
     enable_compilation_cache(cfg.compilation_cache)  # later seeds and variants reuse the programs
-    t0 = time.time()
+    evals, wall_before = resumed if resumed is not None else ([], 0.0)
+    t0 = time.time() - wall_before
     job = Job(cfg, load_tasks=True)
     writer = MetricsWriter(run_dir)
-    evals = [dict(step0, step=0, reused_from="A") if step0 is not None else eval_record(job, 0, iid, ood)]
-    print(f"[{variant} seed {seed}] step 0: iid {100 * evals[-1]['iid']['reward']:.1f} "
-          f"ood {100 * evals[-1]['ood']['reward']:.1f} ({time.time() - t0:.0f}s)", flush=True)
+    partial = run_dir / PARTIAL
+
+    def record(ev):
+        evals.append(ev)
+        print(f"[{variant} seed {seed}] step {ev['step']}: iid {100 * ev['iid']['reward']:.1f} "
+              f"ood {100 * ev['ood']['reward']:.1f} ({time.time() - t0:.0f}s)", flush=True)
+        partial.write_text(json.dumps({"settings": run_settings(args, variant), "wall_s": time.time() - t0,
+                                       "evals": evals}, default=str))
+
+    if resumed is not None:
+        print(f"[{variant} seed {seed}] resumed after step {evals[-1]['step']} ({len(evals)} evaluations kept)",
+              flush=True)
+    else:
+        record(dict(step0, step=0, reused_from="A") if step0 is not None else eval_record(job, 0, iid, ood))
     if job.trains:
-        for target in list(range(args.eval_every, args.steps, args.eval_every)) + [args.steps]:
+        for target in chunk_ends(args):
+            if target <= evals[-1]["step"]:
+                continue
             cfg.train.steps = target
             train(job, writer)
-            evals.append(eval_record(job, target, iid, ood))
-            print(f"[{variant} seed {seed}] step {target}: iid {100 * evals[-1]['iid']['reward']:.1f} "
-                  f"ood {100 * evals[-1]['ood']['reward']:.1f} ({time.time() - t0:.0f}s)", flush=True)
-    train = [{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in writer.read("train")]
+            record(eval_record(job, target, iid, ood))
+    train = last_per_step(writer.read("train"))
     writer.close()
     rec = {"variant": variant, "seed": seed, "steps": cfg.train.steps if job.trains else 0,
            "wall_s": time.time() - t0, "settings": run_settings(args, variant), "evals": evals, "train": train}
     done.write_text(json.dumps(rec, default=str))
+    partial.unlink(missing_ok=True)
     if args.records is not None:
         args.records.mkdir(parents=True, exist_ok=True)
         (args.records / f"{variant}_s{seed}.json").write_text(json.dumps(rec, default=str))
     return rec
+
+
+PARTIAL = "learning_partial.json"  # an unfinished run's settings, wall time so far and evaluations
+
+
+def chunk_ends(args) -> list[int]:
+    """The steps after which a trained run is evaluated (and checkpointed)."""
+    return list(range(args.eval_every, args.steps, args.eval_every)) + [args.steps]
+
+
+def last_per_step(records) -> list[dict]:
+    """The numeric fields of the last ``train`` record of each step, by step: a resumed run
+    rewrites the steps after its checkpoint that the interrupted process had already logged."""
+    by_step = {r["step"]: {k: v for k, v in r.items() if isinstance(v, (int, float))} for r in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def resume_point(args, variant: str, seed: int) -> tuple[list[dict], float] | None:
+    """(evaluations so far, wall seconds so far) of an interrupted run of (variant, seed) that
+    can go on: its partial record has this invocation's settings and its newest checkpoint is
+    the last evaluated step or the chunk after it (killed before that chunk's evaluation; the
+    run then restores it and evaluates). None: start it afresh (and say why when it existed)."""
+    from morse_jax.checkpoint import Checkpointer
+
+    run_dir = Path(args.workdir) / f"{variant}_s{seed}"
+    path = run_dir / PARTIAL
+    if not path.exists():
+        return None
+    rec = json.loads(path.read_text())
+    if rec.get("settings") != run_settings(args, variant) or not rec.get("evals"):
+        print(f"[{variant} seed {seed}] an unfinished run with other settings is in {run_dir}; starting afresh",
+              flush=True)
+        return None
+    last = rec["evals"][-1]["step"]
+    ckpt_dir = run_dir / "checkpoints"
+    newest = 0
+    if ckpt_dir.is_dir():
+        ckpt = Checkpointer(ckpt_dir, async_save=False)
+        newest = max(ckpt.all_steps(), default=0)
+        ckpt.close()
+    after = [t for t in chunk_ends(args) if t > last]
+    if newest != last and newest != (after[0] if after else None):
+        print(f"[{variant} seed {seed}] unfinished run evaluated up to step {last} but its newest checkpoint is "
+              f"step {newest}; starting afresh", flush=True)
+        return None
+    return rec["evals"], float(rec.get("wall_s", 0.0))
 
 
 def run_settings(args, variant: str) -> dict:

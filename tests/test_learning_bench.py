@@ -155,3 +155,52 @@ def test_records_dir_makes_a_finished_run_kept_only_with_equal_settings(tmp_path
     assert learning.kept_record(args, "C", 1) == legacy
     assert json.loads((records / "C_s1.json").read_text()) == legacy
     assert learning.kept_record(argparse.Namespace(**{**vars(args), "steps": 10}), "C", 1) is None
+
+
+def test_an_interrupted_run_resumes_only_from_a_matching_partial_record_and_checkpoint(tmp_path, capsys):
+    """resume_point: evaluations so far + wall time when the partial record's settings equal this
+    invocation's and the newest checkpoint is the last evaluated step or the next chunk end;
+    otherwise None (the run starts afresh)."""
+    import argparse
+
+    import jax.numpy as jnp
+    import learning
+    from morse_jax.checkpoint import Checkpointer
+
+    args = argparse.Namespace(workdir=str(tmp_path), records=None, fresh=False, steps=40, eval_every=10,
+                              eval_tasks=20, eval_split="heldout", set=[], config=str(ROOT / "configs/learn_cpu.py"))
+    run_dir = tmp_path / "D_s1"
+    run_dir.mkdir()
+    assert learning.resume_point(args, "D", 1) is None  # nothing there
+    evals = [{"step": 0, "iid": {"reward": 0.2}}, {"step": 10, "iid": {"reward": 0.3}}]
+    partial = {"settings": learning.run_settings(args, "D"), "wall_s": 123.0, "evals": evals}
+    (run_dir / learning.PARTIAL).write_text(json.dumps(partial))
+
+    def checkpoints(*steps):
+        import shutil
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        ckpt = Checkpointer(run_dir / "checkpoints", async_save=False, max_to_keep=None)
+        for s in steps:
+            ckpt.save(s, {"w": jnp.ones(2) * s})
+        ckpt.close()
+
+    checkpoints(10)
+    assert learning.resume_point(args, "D", 1) == (evals, 123.0)
+    checkpoints(10, 20)  # killed while evaluating step 20: restore 20, evaluate it
+    assert learning.resume_point(args, "D", 1) == (evals, 123.0)
+    checkpoints(10, 20, 30)  # step 20 never evaluated: its point cannot be recovered
+    assert learning.resume_point(args, "D", 1) is None
+    checkpoints(10)
+    other = argparse.Namespace(**{**vars(args), "eval_every": 5})
+    assert learning.resume_point(other, "D", 1) is None
+    assert "other settings" in capsys.readouterr().out
+    assert learning.chunk_ends(args) == [10, 20, 30, 40]
+    assert learning.chunk_ends(argparse.Namespace(steps=25, eval_every=10)) == [10, 20, 25]
+
+
+def test_train_records_keep_the_last_of_each_step():
+    import learning
+
+    logged = [{"step": 1, "r": 0.1, "note": "x"}, {"step": 2, "r": 0.2}, {"step": 3, "r": 0.3},
+              {"step": 2, "r": 0.25}, {"step": 3, "r": 0.35}]  # steps 2-3 re-run after a resume from step 1
+    assert learning.last_per_step(logged) == [{"step": 1, "r": 0.1}, {"step": 2, "r": 0.25}, {"step": 3, "r": 0.35}]

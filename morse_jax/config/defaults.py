@@ -188,6 +188,10 @@ def moragent_defaults() -> ml_collections.ConfigDict:
     m.micro_batch = 4
     m.max_len = 1024  # longer rendered trajectories are left out (counted)
     m.checkpoint_every = 50  # optimizer steps
+    # when the adapter wraps only the last n_adapt layers: run the frozen layers below once per example
+    # and keep their output (host memory, tokens x hidden floats), so each SFT step runs the adapted
+    # layers only (same results up to rounding; sft.trainer.SFTTrainer's prefix_fn)
+    m.cache_frozen_prefix = True
     # evaluation: BFCL items "category:count" (evenly spaced in BFCL's order; count 0 = all)
     m.eval_subset = ("simple_python:100", "multiple:50", "parallel:50", "irrelevance:50")
     m.eval_batch = 8  # items answered per batch (answers are appended to <workdir>/bfcl_answers.jsonl)

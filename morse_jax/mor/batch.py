@@ -30,6 +30,10 @@ class SFTBatch:
       positions: int32[B, T] rotary positions (restart at 0 in each packed segment).
       segment_ids: int32[B, T] packed segment of each token (tokens attend only within their
         segment); all zeros when rows are not packed.
+      prefix_hidden: float[B, T, d] or None: the residual stream entering the first adapted layer,
+        precomputed by the frozen layers below it (``morse_jax.mor.objective.frozen_prefix``).
+        Those layers never change during SFT, so the trainer computes it once per example and
+        the objective then runs the adapted layers only. None: the objective runs every layer.
     """
 
     tokens: jax.Array
@@ -38,6 +42,7 @@ class SFTBatch:
     valid: jax.Array
     positions: jax.Array
     segment_ids: jax.Array
+    prefix_hidden: jax.Array | None = None
 
     def check(self) -> "SFTBatch":
         """Assert shapes and dtypes agree (call at module boundaries); returns self."""
@@ -46,4 +51,7 @@ class SFTBatch:
                                  self.segment_ids])
         chex.assert_type([self.tokens, self.role_ids, self.positions, self.segment_ids], jnp.int32)
         chex.assert_type([self.loss_mask, self.valid], bool)
+        if self.prefix_hidden is not None:
+            chex.assert_rank(self.prefix_hidden, 3)
+            chex.assert_equal_shape_prefix([self.tokens, self.prefix_hidden], 2)
         return self

@@ -57,6 +57,25 @@ def orthogonality_term(params: dict, cfg: MoRConfig) -> jax.Array:
     return total
 
 
+def first_adapted_layer(model_cfg: ModelConfig, mor_cfg: MoRConfig) -> int:
+    """Index of the first layer the adapter wraps (0 when it wraps every layer)."""
+    return model_cfg.num_layers - mor_cfg.adapted_layers(model_cfg.num_layers)
+
+
+def frozen_prefix(frozen: dict, batch: SFTBatch, model_cfg: ModelConfig, mor_cfg: MoRConfig) -> jax.Array:
+    """The residual stream entering the first adapted layer, float[B, T, d]: the frozen layers
+    below it, which carry no adapter and see no role ids, run once on the batch's tokens (with its
+    positions, padding and packing). ``sft_loss`` on a batch carrying it as ``prefix_hidden``
+    equals ``sft_loss`` on the batch without it. ``frozen`` is split as for ``sft_loss``; the
+    adapter must leave at least one layer below it (else there is no prefix to keep)."""
+    start = first_adapted_layer(model_cfg, mor_cfg)
+    if start == 0:
+        raise ValueError("frozen_prefix: the adapter wraps every layer, so there is no frozen prefix")
+    hidden, _ = forward(frozen, model_cfg, batch.tokens, positions=batch.positions, valid=batch.valid,
+                        segment_ids=batch.segment_ids, stop_layer=start)
+    return hidden
+
+
 def sft_loss(trainable: dict, frozen: dict, batch: SFTBatch, model_cfg: ModelConfig, mor_cfg: MoRConfig, *,
              alpha_balance: float = ALPHA_BALANCE, alpha_orth: float = ALPHA_ORTH) -> tuple[jax.Array, dict]:
     """The SFT loss of one micro-batch and its metrics.
@@ -66,7 +85,8 @@ def sft_loss(trainable: dict, frozen: dict, batch: SFTBatch, model_cfg: ModelCon
         ``mor_cfg.adapted_layers`` layers.
       frozen: backbone params (``models.transformer``); when only some layers are adapted, their
         segments must already be split off (``models.transformer.split_segments(frozen, L)``).
-      batch: the rendered trajectories (role ids, loss mask, packing).
+      batch: the rendered trajectories (role ids, loss mask, packing); with ``prefix_hidden``
+        (:func:`frozen_prefix`) only the adapted layers run.
       model_cfg, mor_cfg: static.
       alpha_balance, alpha_orth: α1, α2 (the terms are left out when ``mor_cfg.use_balance`` /
         ``use_orth`` is False, when there are no routers, or for plain LoRA).
@@ -78,9 +98,11 @@ def sft_loss(trainable: dict, frozen: dict, batch: SFTBatch, model_cfg: ModelCon
     batch.check()
     role_ids = jnp.where(batch.valid, batch.role_ids, NO_ROLE)
     frozen = jax.lax.stop_gradient(frozen)
+    start = {} if batch.prefix_hidden is None else dict(
+        start_layer=first_adapted_layer(model_cfg, mor_cfg), hidden=jax.lax.stop_gradient(batch.prefix_hidden))
     logits, _, aux = forward(frozen, model_cfg, batch.tokens, positions=batch.positions, valid=batch.valid,
                              segment_ids=batch.segment_ids, lora=MoRInputs(trainable, role_ids, mor_cfg),
-                             with_aux=True)
+                             with_aux=True, **start)
     ce, metrics = role_ce(logits, batch.tokens, batch.loss_mask & batch.valid, role_ids, mor_cfg.role_names)
     zero = jnp.zeros((), jnp.float32)
     balance = balance_term(aux, role_ids, mor_cfg) if aux else zero

@@ -9,7 +9,8 @@
   format (its last ``heldout_examples`` records held out); rendered with the backbone's chat
   template (``sft.data.render``).
 * SFT: ``sft.trainer.SFTTrainer`` with MoR's objective (``mor.objective.sft_loss``: role CE +
-  alpha1 balance + alpha2 orthogonality), checkpoints under ``<workdir>/checkpoints`` (resumed);
+  alpha1 balance + alpha2 orthogonality; with ``moragent.cache_frozen_prefix`` and an adapter on
+  the last layers only, the frozen layers below run once per example), checkpoints under ``<workdir>/checkpoints`` (resumed);
   metrics to ``<workdir>/metrics.jsonl`` (kinds sft_data / sft_train / sft_eval).
 """
 
@@ -27,7 +28,7 @@ from morse_jax.checkpoint import Checkpointer
 from morse_jax.config.derived import mor_config, sft_config
 from morse_jax.mor.adapter import MoRInputs, layer_values
 from morse_jax.mor.config import MoRConfig
-from morse_jax.mor.objective import sft_loss
+from morse_jax.mor.objective import frozen_prefix, sft_loss
 from morse_jax.mor.params import init_mor_params, param_count
 from morse_jax.models.config import ModelConfig
 from morse_jax.models.transformer import forward, split_segments
@@ -169,10 +170,12 @@ def restore_or_train(job, *, train: bool) -> dict:
     held_data = BucketedData([render(t, tok) for t in held], scfg.length_buckets) if held else None
     loss_fn = functools.partial(sft_loss, model_cfg=bb.config, mor_cfg=mcfg, alpha_balance=cfg.moragent.balance_weight,
                                 alpha_orth=cfg.moragent.orth_weight)
+    prefix_fn = (functools.partial(frozen_prefix, model_cfg=bb.config, mor_cfg=mcfg)
+                 if cfg.moragent.cache_frozen_prefix and n_adapt < bb.config.num_layers else None)
     writer = MetricsWriter(job.workdir)
     try:
-        result = SFTTrainer(scfg, loss_fn, frozen, workdir=job.workdir, sink=writer).fit(job.params, train_data,
-                                                                                          held_data)
+        trainer = SFTTrainer(scfg, loss_fn, frozen, workdir=job.workdir, sink=writer, prefix_fn=prefix_fn)
+        result = trainer.fit(job.params, train_data, held_data)
         first = next((r for r in writer.read("sft_eval") if r.get("step") == 0), None)
     finally:
         writer.close()

@@ -14,6 +14,12 @@ Dropped, and counted (never silent): examples longer than the largest bucket, an
 no target token (nothing to learn from; the CE of token t is predicted at t - 1, so a target at
 position 0 does not count).
 
+Frozen-prefix states (:meth:`BucketedData.compute_prefix_states`): when the adapter wraps only the
+last layers, the residual stream entering them is a fixed function of the tokens; it is computed
+once per kept example (trimmed to the example's length, host memory: tokens x d floats) and every
+later batch carries it as ``prefix_hidden``, so each step and held-out evaluation runs the adapted
+layers only. Padding rows and positions get zeros (never attended to, never a target).
+
 Packing is not implemented here (the forward and MoR's objective accept ``segment_ids`` for
 packed rows, so it could be added as another plan); every row is one trajectory, with
 ``segment_ids`` = 0 and ``positions`` = 0..T-1.
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -78,6 +84,7 @@ class BucketedData:
             else:
                 self._bucket[i] = b
         self.kept = tuple(sorted(self._bucket))
+        self.prefix_states: dict[int, np.ndarray] | None = None  # example index -> float[n, d]
 
     @property
     def dropped(self) -> int:
@@ -122,9 +129,39 @@ class BucketedData:
                 h.update(np.ascontiguousarray(a, dt).tobytes())
         return h.hexdigest()
 
+    def compute_prefix_states(self, compute: Callable[[SFTBatch], np.ndarray], rows: int,
+                              progress: Callable[[int], None] | None = None) -> int:
+        """Compute and keep every kept example's frozen-prefix states (module docstring).
+
+        Args:
+          compute: SFTBatch [rows, T] -> float[rows, T, d] (``mor.objective.frozen_prefix`` bound
+            to the backbone, jitted); called once per batch of the eval plan.
+          rows: rows per call.
+          progress: called with the number of examples done after each call.
+        Returns:
+          the bytes kept. A second call does nothing (the states depend only on the data and the
+          frozen backbone).
+        """
+        if self.prefix_states is not None:
+            return self.prefix_bytes
+        states = {}
+        for plan in self.eval_plan(rows):
+            hidden = np.asarray(compute(self.batch(plan, rows)))
+            for r, i in enumerate(plan.rows):
+                states[i] = hidden[r, :len(self.examples[i].tokens)].copy()
+            if progress is not None:
+                progress(len(plan.rows))
+        self.prefix_states = states
+        return self.prefix_bytes
+
+    @property
+    def prefix_bytes(self) -> int:
+        return sum(a.nbytes for a in (self.prefix_states or {}).values())
+
     def batch(self, plan: StepPlan, micro_batch: int, accum_steps: int | None = None) -> SFTBatch:
         """The padded arrays of ``plan``: [accum_steps, micro_batch, T] (or [micro_batch, T] when
-        ``accum_steps`` is None); rows beyond ``plan.rows`` are padding. numpy arrays."""
+        ``accum_steps`` is None); rows beyond ``plan.rows`` are padding. numpy arrays. With
+        prefix states computed, ``prefix_hidden`` [..., T, d] holds them (zeros at padding)."""
         rows = micro_batch * (1 if accum_steps is None else accum_steps)
         if len(plan.rows) > rows:
             raise ValueError(f"a step of {len(plan.rows)} examples does not fit {rows} rows")
@@ -144,4 +181,10 @@ class BucketedData:
         shape = (micro_batch, T) if accum_steps is None else (accum_steps, micro_batch, T)
         fields = dict(tokens=tokens, role_ids=role_ids, loss_mask=loss_mask, valid=valid, positions=positions,
                       segment_ids=np.zeros((rows, T), np.int32))
-        return SFTBatch(**{k: v.reshape(shape) for k, v in fields.items()})
+        if self.prefix_states is not None:
+            first = self.prefix_states[plan.rows[0]]
+            hidden = np.zeros((rows, T, first.shape[-1]), first.dtype)
+            for r, i in enumerate(plan.rows):
+                hidden[r, :len(self.prefix_states[i])] = self.prefix_states[i]
+            fields["prefix_hidden"] = hidden
+        return SFTBatch(**{k: v.reshape(shape + v.shape[2:]) for k, v in fields.items()})

@@ -87,19 +87,37 @@ class SFTTrainer:
       workdir: checkpoints go to ``<workdir>/checkpoints``; None: no checkpoints, no resume.
       sink: metrics sink (see the module docstring) or None.
       progress: show a tqdm bar over the optimiser steps.
+      prefix_fn: ``prefix_fn(frozen, batch) -> float[B, T, d]``, the residual stream entering the
+        first adapted layer (``mor.objective.frozen_prefix`` with its settings bound), or None.
+        Given, every data set is first run through it once (``BucketedData.compute_prefix_states``)
+        and the steps and evaluations run the adapted layers only; ``loss_fn`` must accept batches
+        carrying ``prefix_hidden`` (MoR's ``sft_loss`` does). Same results up to float rounding.
     """
 
     def __init__(self, cfg: SFTConfig, loss_fn: LossFn, frozen, *, workdir: str | Path | None = None,
-                 sink: MetricsSink | None = None, progress: bool = True):
+                 sink: MetricsSink | None = None, progress: bool = True,
+                 prefix_fn: Callable[[Any, Any], jax.Array] | None = None):
         self.cfg, self.loss_fn, self.frozen = cfg, loss_fn, frozen
         self.workdir = None if workdir is None else Path(workdir)
         self.sink, self.progress = sink, progress
         self._eval_step = compiled_eval_step(loss_fn)
+        self._prefix = None if prefix_fn is None else jax.jit(prefix_fn)
+
+    def prepare(self, data: BucketedData, name: str = "data") -> None:
+        """Compute ``data``'s frozen-prefix states once (with ``prefix_fn``; else nothing)."""
+        if self._prefix is None or data.prefix_states is not None:
+            return
+        bar = tqdm(total=len(data.kept), desc=f"sft prefix ({name})", disable=not self.progress, leave=False)
+        kept = data.compute_prefix_states(lambda b: self._prefix(self.frozen, b), self.cfg.micro_batch, bar.update)
+        bar.close()
+        log.info("sft: frozen-prefix states of %d %s examples computed once (%.0f MB host memory)",
+                 len(data.kept), name, kept / 2**20)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, params, data: BucketedData) -> dict:
         """Held-out metrics over every kept example of ``data`` (token-weighted: ``ce/<role>`` is the
         CE over all that role's target tokens), as host floats; {} when nothing is kept."""
+        self.prepare(data, "held-out")
         parts, weights = [], []
         for plan in data.eval_plan(self.cfg.micro_batch):
             batch = data.batch(plan, self.cfg.micro_batch)
@@ -124,6 +142,8 @@ class SFTTrainer:
         for name, d in (("train", train), ("held-out", held_out)):
             if d is not None and d.dropped:
                 log.warning("sft %s set: %s", name, d.describe_dropped())
+            if d is not None:
+                self.prepare(d, name)
         tx = make_optimizer(cfg, total)
         step_fn = compiled_train_step(self.loss_fn, cfg, total)
         # a copy: the step donates its state, and the caller keeps its init tree

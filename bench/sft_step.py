@@ -185,18 +185,22 @@ def main(argv=None) -> int:
     lora_cfg = plain_lora_config(model_cfg, mor_cfg)
     sft = SFTConfig(learning_rate=5e-5, warmup_fraction=0.0)
     total = 1000
-    ours = {}
-    for name, mc in (("ours:mor", mor_cfg), ("ours:lora", lora_cfg)):
+
+    def side(mc, step_batch):
+        """One optimiser step of a fresh adapter of ``mc`` on ``step_batch``, as a thunk -> loss."""
         step = compiled_train_step(mor_objective(model_cfg, mc), sft, total)
         tx = make_optimizer(sft, total)
         box = {"state": SFTState.create(init_mor_params(jax.random.key(0), model_cfg, mc), tx, jax.random.key(1))}
 
-        def run(step=step, box=box):
-            box["state"], m = step(box["state"], frozen, batch)
+        def run():
+            box["state"], m = step(box["state"], frozen, step_batch)
             return float(jax.block_until_ready(m["loss"]))
+        return run
 
-        _, first, _ = clock(run)
-        ours[name] = run
+    ours = {}
+    for name, mc in (("ours:mor", mor_cfg), ("ours:lora", lora_cfg)):
+        ours[name] = side(mc, batch)
+        _, first, _ = clock(ours[name])
         print(f"# {name}: {param_count(model_cfg, mc) / 1e6:.2f}M trainable (rank {mc.rank}, {mc.num_loras} LoRAs "
               f"per projection), first step (compile + run) {first:.1f} s", flush=True)
     if args.prefix:
@@ -204,17 +208,8 @@ def main(argv=None) -> int:
             raise SystemExit("--prefix needs --layers below the backbone's layer count (a frozen prefix to keep)")
         prefix_fn = jax.jit(lambda b: frozen_prefix(frozen, b, model_cfg, mor_cfg))
         _, first, _ = clock(lambda: data.compute_prefix_states(prefix_fn, args.rows))
-        cached = data.batch(StepPlan(args.seq, tuple(range(args.rows))), args.rows, 1)
-        step = compiled_train_step(mor_objective(model_cfg, mor_cfg), sft, total)
-        tx = make_optimizer(sft, total)
-        box = {"state": SFTState.create(init_mor_params(jax.random.key(0), model_cfg, mor_cfg), tx, jax.random.key(1))}
-
-        def run_cached(step=step, box=box):
-            box["state"], m = step(box["state"], frozen, cached)
-            return float(jax.block_until_ready(m["loss"]))
-
-        _, first_step, _ = clock(run_cached)
-        ours["ours:mor+prefix"] = run_cached
+        ours["ours:mor+prefix"] = side(mor_cfg, data.batch(StepPlan(args.seq, tuple(range(args.rows))), args.rows, 1))
+        _, first_step, _ = clock(ours["ours:mor+prefix"])
         print(f"# ours:mor+prefix: the {model_cfg.num_layers - args.layers} frozen layers below run once per example "
               f"(compile + run {first:.1f} s for this batch, {data.prefix_bytes / 2**20:.1f} MB kept); first step "
               f"(compile + run) {first_step:.1f} s", flush=True)

@@ -20,15 +20,17 @@ larger bounds the step), with our fraction of it.
 
 Usage:  python bench/sampler.py [--batches 1,4,16] [--reps 3] [--new 128] [--prompt 200]
         [--ours-only] [--sampler-config "dict(decode_path='model')"]
-        python bench/sampler.py --refill [--requests 64] [--reps 3]
+        python bench/sampler.py --refill [--requests 64] [--share 4] [--reps 3]
 
 ``--refill``: slot refill (``sampler.refill``) vs static micro-batches, both ours, interleaved,
 on a recorded completion-length distribution (``bench/data/completion_lengths.json``: prompt
 and generated lengths of every completion of a short learn_cpu run, how it was recorded is in
 the file). ``--requests`` requests take those lengths (each request's budget is its recorded
-length, so it stops where the recorded one stopped), max_batch 16 slots / rows. Prints
+length, so it stops where the recorded one stopped), max_batch 16 slots / rows, drawn in the
+recorded groups of ``--share`` candidates that share a prompt and expert set (an HGRPO route's M;
+both samplers prefill each distinct prompt once). Prints
 generated tokens per second, decode-only (the sampler's decode_s: for refill this includes its
-host loop and cache compaction; the one-row prefills and their placement count as prefill) and
+host loop and cache compaction; the refill prefills and their placement count as prefill) and
 end to end (prefill included), for both and their ratios:
 
     refill 32 requests: decode-only refill 120.0 tok/s, static 60.0 tok/s, 2.00x; end to end ...
@@ -194,6 +196,9 @@ def main(argv=None) -> None:
     ap.add_argument("--sampler-config", default="dict()", help="SamplerConfig overrides, a Python dict literal")
     ap.add_argument("--refill", action="store_true", help="slot refill vs static batching on recorded lengths")
     ap.add_argument("--requests", type=int, default=64, help="with --refill: requests per generate call")
+    ap.add_argument("--share", type=int, default=4,
+                    help="with --refill: candidates per prompt and expert set (the recorded run's M = 4; 1: every "
+                         "request its own prompt)")
     args = ap.parse_args(argv)
     if args.refill:
         return bench_refill(args)
@@ -315,8 +320,17 @@ def bench_refill(args) -> None:
 
     rec = json.loads(LENGTHS.read_text())
     pairs = list(zip(rec["prompt"], rec["generated"]))
+    M = args.share
+    if M < 1 or len(pairs) % M or args.requests % M:
+        raise SystemExit(f"--share {M} must divide --requests {args.requests} and the {len(pairs)} recorded completions")
+    # the recorded completions come in groups of M candidates of one (node, route): one prompt
+    # under one expert set; draw whole groups so the requests share prompts as in training
     rng = np.random.default_rng(0)
-    pick = [pairs[i] for i in rng.choice(len(pairs), size=args.requests, replace=len(pairs) < args.requests)]
+    n_groups = len(pairs) // M
+    groups = rng.choice(n_groups, size=args.requests // M, replace=n_groups < args.requests // M)
+    pick = [pairs[g * M + m] for g in groups for m in range(M)]
+    if any(len({pairs[g * M + m][0] for m in range(M)}) > 1 for g in groups):
+        raise SystemExit(f"the recorded completions do not come in groups of {M} sharing a prompt")
     gen = [g for _, g in pick]
     print(f"# load {os.getloadavg()[0]:.1f}; {args.requests} requests from {LENGTHS.name} ({len(pairs)} recorded): "
           f"generated mean {np.mean(gen):.1f}, median {np.median(gen):.0f}, max {max(gen)}; prompt mean "
@@ -332,9 +346,9 @@ def bench_refill(args) -> None:
     corpus = tok(src, add_special_tokens=False)["input_ids"]
     requests = []
     for i, (p, g) in enumerate(pick):
-        s = execute_set(spec, [i % 4], role="execute")
+        s = execute_set(spec, [(i // M) % 4], role="execute")
         # no stop token: each request runs exactly its recorded length (its budget)
-        requests.append(Request(corpus[997 * i: 997 * i + p], expert_ids=[e for e, _ in s],
+        requests.append(Request(corpus[997 * (i // M): 997 * (i // M) + p], expert_ids=[e for e, _ in s],
                                 expert_weights=[w for _, w in s], max_new_tokens=max(1, g), temperature=0.8,
                                 top_p=0.95, seed=i))
     total = sum(max(1, g) for g in gen)
@@ -347,7 +361,9 @@ def bench_refill(args) -> None:
             assert sum(len(c.token_ids) for c in out) == total
             st = smp.last_stats
             print(f"#   {name}{'' if rep else ' (compiles)'}: {el:.1f} s (prefill {st['prefill_s']:.1f} s, decode "
-                  f"{st['decode_s']:.1f} s, {st['decode_steps']} steps), load {os.getloadavg()[0]:.1f}", flush=True)
+                  f"{st['decode_s']:.1f} s, {st['decode_steps']} steps"
+                  + (f", {st['prefilled_requests']} prompts prefilled in {st['prefill_calls']} calls"
+                     if "prefill_calls" in st else "") + f"), load {os.getloadavg()[0]:.1f}", flush=True)
             if rep:
                 times[name].append((el, st["decode_s"]))
     med = {name: [statistics.median(x) for x in zip(*t)] for name, t in times.items()}

@@ -132,3 +132,26 @@ def test_bad_seed_is_rejected(setup):
     bb, bank, static, refill = setup
     with pytest.raises(ValueError, match="seed"):
         refill.generate(bank, [Request([1, 2], seed=-1)], key=jax.random.PRNGKey(0))
+
+
+def test_refill_prefills_each_distinct_prompt_once(setup):
+    """Groups of candidates sharing prompt and experts (an HGRPO route's M) are prefilled once
+    per group, the slots given out together prefill as one batch, and every request still gives
+    its own completion alone."""
+    bb, bank, static, refill = setup
+    key = jax.random.PRNGKey(7)
+    groups = long_tailed_requests(4, seed=4)
+    reqs = [dataclasses.replace(g, seed=100 * i + m, max_new_tokens=1 + (5 * m + i) % 16, temperature=1.0)
+            for i, g in enumerate(groups) for m in range(3)]
+    refilled = refill.generate(bank, reqs, key=key)
+    assert_same(refilled, [static.generate(bank, [r], key=key)[0] for r in reqs])
+    st = refill.last_stats
+    assert st["prefilled_requests"] == len(groups)  # each distinct prompt once
+    assert st["prefill_calls"] <= len(groups)
+    # the first fill gives both slots to candidates of group 0: one prefill for both
+    assert any(a.token_ids != b.token_ids for a, b in zip(refilled[0::3], refilled[1::3]))
+    # with sharing off every request prefills, in batches of those given slots together
+    off = Sampler(bb, SPEC, dataclasses.replace(REFILL, share_prefill=False))
+    assert_same(off.generate(bank, reqs, key=key), refilled)
+    assert off.last_stats["prefilled_requests"] == len(reqs)
+    assert off.last_stats["prefill_calls"] < len(reqs)  # the first fill prefills two together

@@ -3,10 +3,17 @@
 Static micro-batches (``Sampler.generate`` without ``SamplerConfig.refill``) idle a finished row
 until the longest row of its batch ends; RL completions are long-tailed, so most rows idle most
 of the time. Here the requests of one ``generate`` call share one queue and one decode state of
-``rows`` slots: when a row finishes, its slot is given the next request, prefilled *alone*
-(the sampler's own prefill program at batch 1) and placed into the slot's cache rows
-(:func:`place_row`) between decode calls; the decode loop stops at the first finished row while
-requests wait (``loop.decode``'s ``done_limit``).
+``rows`` slots: when a row finishes, its slot is given the next request, placed into the
+slot's cache rows (:func:`place_row`) between decode calls; the decode loop stops at the first
+finished row while requests wait (``loop.decode``'s ``done_limit``).
+
+Prefills are shared and batched, as in static batching (``shared_prefill``): an HGRPO route's M
+candidates are one prompt under one expert set, so the first of them to get a slot prefills it
+and the others reuse that prefill (kept, one row, until the last queued request of its kind has
+a slot; ``SamplerConfig.share_prefill``), and the requests given slots at the same moment (the
+first fill, rows that finish together) that need a prefill run as one batch. Without this every
+refilled request prefilled alone, and refill spent on prefill what it saved in decode steps
+(README, slot refill).
 
 Why a request's output does not depend on its slot or neighbours: its tokens are drawn with its
 own key folded with its token index (``SamplingState.key``), its tokens go to its own columns
@@ -48,6 +55,7 @@ from morse_jax.sampling.requests import (
     prefill_chunk,
     prefill_token_rows,
 )
+from morse_jax.sampling.shared_prefill import prefill_key as prefill_key_of
 from morse_jax.sampling.state import PrefillOutput, SamplingState, initial_state
 
 _IDLE = Request(prompt_ids=(0,))  # what mark_stop_strings sees in an empty slot (no stop strings)
@@ -137,7 +145,8 @@ class RefillPrograms:
     """The jitted programs the refill loop calls (built by the Sampler; params bound where said).
 
     prefill(bank, prompts, experts, n_chunks, *, cache_len, chunk) -> PrefillOutput (the
-    sampler's prefill). decode(bank, state, experts, settings, stop_end, done_limit=) -> state
+    sampler's prefill). take(pre, index int32[n]) -> the prefill of rows ``index`` of ``pre``
+    (``shared_prefill.share_rows``). decode(bank, state, experts, settings, stop_end, done_limit=) -> state
     (``loop.decode``, state donated). empty(key, *, rows, cache_len, index, new_tokens) -> state.
     place(state, row, pre, prompt_end, key) -> state and compact(state, shift) -> state (state
     donated). constrain(logits, heals) -> (unconstrained host logits, constrained logits): token
@@ -145,6 +154,7 @@ class RefillPrograms:
     """
 
     prefill: Callable
+    take: Callable
     decode: Callable
     empty: Callable
     place: Callable
@@ -171,7 +181,8 @@ def run_refill(progs: RefillPrograms, config: SamplerConfig, tokenizer, reqs: Se
 
     keys: each request's PRNG key ([n] typed or uint32[n, 2]). heals[j]: token healing's
     (dropped text, allowed bool[V]) or None. roles: pack role ids (a role adapter).
-    stats: prefill_s, decode_s, decode_steps, batches (the decode calls), compactions are added to it.
+    stats: prefill_s, decode_s, decode_steps, batches (the decode calls), compactions, prefill_calls
+    and prefilled_requests (distinct prompts prefilled) are added to it.
     """
     stats = stats if stats is not None else {}
     rows = bucket(min(len(reqs), config.max_batch), config.batch_buckets, "batch")
@@ -185,17 +196,42 @@ def run_refill(progs: RefillPrograms, config: SamplerConfig, tokenizer, reqs: Se
     stop_at = np.full(rows, -1)
     index, step = P, 0
 
-    def fill(r: int, j: int):
-        nonlocal state
-        req = reqs[j]
-        L = len(req.prompt_ids)
-        Pb = bucket(L, config.prompt_buckets, "prompt length")
-        chunk = prefill_chunk(prefill_token_rows(config), 1, Pb)
-        end = -(-L // chunk) * chunk
-        prompts, ex, st, _ = pack_requests([req], BatchShape(1, Pb, chunk, end, N), config.max_active, roles=roles)
+    def prefill_key(j: int):
+        return prefill_key_of(reqs[j]) if config.share_prefill else j
+
+    uses = collections.Counter(prefill_key(j) for j in queue)  # queued requests per prefill key
+    kept: dict[Any, tuple[PrefillOutput, int]] = {}  # prefill key -> (its one-row prefill, prompt end)
+
+    def prefill_new(js: list[int]):
+        """Prefill, as one batch, the distinct requests among ``js`` that have no kept prefill."""
+        new = list({prefill_key(j): j for j in js if prefill_key(j) not in kept}.values())
+        if not new:
+            return
+        B = bucket(len(new), config.batch_buckets, "batch")
+        longest = max(len(reqs[j].prompt_ids) for j in new)
+        Pb = bucket(longest, config.prompt_buckets, "prompt length")
+        chunk = prefill_chunk(prefill_token_rows(config), B, Pb)
+        end = -(-longest // chunk) * chunk  # every prompt of the batch ends here (left padding)
+        prompts, ex, _, _ = pack_requests([reqs[j] for j in new], BatchShape(B, Pb, chunk, end, N),
+                                          config.max_active, roles=roles)
         with contextlib.nullcontext() if profile is None else profile.phase("prefill"):
             pre = progs.prefill(prompts, ex, np.int32(end // chunk), cache_len=Pb, chunk=chunk)
             pre.logits.block_until_ready()
+        stats["prefill_calls"] = stats.get("prefill_calls", 0) + 1
+        stats["prefilled_requests"] = stats.get("prefilled_requests", 0) + len(new)
+        for i, j in enumerate(new):
+            kept[prefill_key(j)] = (progs.take(pre, jnp.asarray([i], jnp.int32)), end)
+
+    def fill(r: int, j: int):
+        nonlocal state
+        req = reqs[j]
+        k = prefill_key(j)
+        pre, end = kept[k]
+        uses[k] -= 1
+        if not uses[k]:  # no queued request needs it any more
+            del kept[k]
+        L = len(req.prompt_ids)
+        _, ex, st, _ = pack_requests([req], BatchShape(1, L, L, L, N), config.max_active, roles=roles)
         first = None
         if heals[j] is not None:
             first, logits = progs.constrain(pre.logits, [heals[j]])
@@ -220,9 +256,12 @@ def run_refill(progs: RefillPrograms, config: SamplerConfig, tokenizer, reqs: Se
 
     while True:
         t0 = time.perf_counter()
-        for r in range(rows):
-            if slots[r] is None and queue:
-                fill(r, queue.popleft())
+        free = [r for r in range(rows) if slots[r] is None][:len(queue)]
+        if free:
+            given = [queue.popleft() for _ in free]
+            prefill_new(given)
+            for r, j in zip(free, given):
+                fill(r, j)
         live = [r for r in range(rows) if slots[r] is not None]
         if not live:
             break

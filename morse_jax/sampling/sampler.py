@@ -230,6 +230,7 @@ class Sampler:
             bank_arg = self._bank_arg(bank)
             progs = refill.RefillPrograms(
                 prefill=functools.partial(self._prefill, self.params, bank_arg),
+                take=self._share_rows,
                 decode=functools.partial(self._decode, self.params, bank_arg),
                 empty=self._empty_state, place=self._place, compact=self._compact,
                 constrain=self._constrain_first_token)

@@ -24,15 +24,16 @@ from morse_jax.sampling.requests import Request
 from morse_jax.sampling.state import PrefillOutput
 
 
+def prefill_key(r: Request) -> tuple:
+    """What a request's prefill reads: requests with equal keys prefill identically."""
+    return (tuple(r.prompt_ids), tuple(r.prompt_roles), tuple(r.expert_ids),
+            tuple(float(w) for w in r.expert_weights), r.role)
+
+
 def prefill_groups(reqs: Sequence[Request]) -> list[int]:
     """Per request, the index of the first request whose prefill it can reuse (itself when first)."""
     first: dict[tuple, int] = {}
-    out = []
-    for i, r in enumerate(reqs):
-        key = (tuple(r.prompt_ids), tuple(r.prompt_roles), tuple(r.expert_ids),
-               tuple(float(w) for w in r.expert_weights), r.role)
-        out.append(first.setdefault(key, i))
-    return out
+    return [first.setdefault(prefill_key(r), i) for i, r in enumerate(reqs)]
 
 
 def cache_row_layout(empty_cache_for_rows) -> tuple:

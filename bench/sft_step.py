@@ -19,6 +19,10 @@ Adapters start with B = 0 on every side (their FLOPs do not depend on the values
 in one process, interleaved, so load on the shared machine hits them alike; medians and process
 CPU seconds per step; compiles happen before timing.
 
+* ``ours:mor+head-all`` (``--head-all``): MoR's step with the LM head and CE at every position,
+  as before the objective gathered the target positions (``SFTBatch.logit_index``, on by default
+  in ``ours:mor`` / ``ours:lora`` since 2026-12-05; the figures below dated earlier ran the head
+  everywhere).
 * ``ours:mor+prefix`` (``--prefix``, needs ``--layers`` below 30): MoR's step on the same batch
   carrying its frozen-prefix states (``moragent.cache_frozen_prefix``): the layers below the
   adapted ones ran once beforehand (their one-time cost is printed, not timed per step).
@@ -95,6 +99,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=512, help="padded length (trajectories longer are skipped)")
     ap.add_argument("--layers", type=int, default=30, help="adapted layers, the last N (SmolLM2 has 30)")
     ap.add_argument("--ours-only", action="store_true", help="skip transformers + PEFT")
+    ap.add_argument("--head-all", action="store_true",
+                    help="also time MoR's step with the LM head at every position (before target gathering)")
     ap.add_argument("--prefix", action="store_true",
                     help="add ours:mor+prefix: MoR's step from frozen-prefix states (moragent.cache_frozen_prefix)")
     args = ap.parse_args(argv)
@@ -198,8 +204,13 @@ def main(argv=None) -> int:
         return run
 
     ours = {}
-    for name, mc in (("ours:mor", mor_cfg), ("ours:lora", lora_cfg)):
-        ours[name] = side(mc, batch)
+    plain = BucketedData(fits, (args.seq,), gather_targets=False).batch(StepPlan(args.seq, tuple(range(args.rows))),
+                                                                        args.rows, 1)
+    for name, mc, b in (("ours:mor", mor_cfg, batch), ("ours:lora", lora_cfg, batch),
+                        ("ours:mor+head-all", mor_cfg, plain)):
+        if name.endswith("head-all") and not args.head_all:
+            continue
+        ours[name] = side(mc, b)
         _, first, _ = clock(ours[name])
         print(f"# {name}: {param_count(model_cfg, mc) / 1e6:.2f}M trainable (rank {mc.rank}, {mc.num_loras} LoRAs "
               f"per projection), first step (compile + run) {first:.1f} s", flush=True)

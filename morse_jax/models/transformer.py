@@ -344,8 +344,15 @@ def _head(params: Params, cfg: ModelConfig, x, logits_mode: str):
         return x
     if logits_mode == "last":
         x = x[:, -1]
+    return lm_head(params, cfg, x)
+
+
+def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """The LM head on final-normed hidden states (``forward(..., logits_mode="hidden")``):
+    hidden [..., d] -> float32 logits [..., V], soft-capped where the family does. Callers that
+    need logits at a few positions only (the targets of a loss) gather the hidden states first."""
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    return final_logits(jnp.einsum("...d,dv->...v", x, head), cfg)
+    return final_logits(jnp.einsum("...d,dv->...v", hidden, head), cfg)
 
 
 def _check_layer_range(cfg: ModelConfig, start: int, hidden, stop: int | None, bt: tuple[int, int]) -> None:

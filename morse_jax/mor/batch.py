@@ -34,6 +34,12 @@ class SFTBatch:
         precomputed by the frozen layers below it (``morse_jax.mor.objective.frozen_prefix``).
         Those layers never change during SFT, so the trainer computes it once per example and
         the objective then runs the adapted layers only. None: the objective runs every layer.
+      logit_index: int32[B, C] or None: per row, the positions t whose next token t + 1 is a
+        target, then repeats of the last one (``logit_mask`` False there). With it the objective
+        runs the LM head at those B*C positions only (the targets are about a quarter of a
+        rendered trajectory's tokens, and the head over a 49k vocabulary costs as much per token
+        as the 8 adapted layers); without it, at every position. Same loss either way.
+      logit_mask: bool[B, C] or None (with ``logit_index``): which entries are real targets.
     """
 
     tokens: jax.Array
@@ -43,6 +49,8 @@ class SFTBatch:
     positions: jax.Array
     segment_ids: jax.Array
     prefix_hidden: jax.Array | None = None
+    logit_index: jax.Array | None = None
+    logit_mask: jax.Array | None = None
 
     def check(self) -> "SFTBatch":
         """Assert shapes and dtypes agree (call at module boundaries); returns self."""
@@ -54,4 +62,12 @@ class SFTBatch:
         if self.prefix_hidden is not None:
             chex.assert_rank(self.prefix_hidden, 3)
             chex.assert_equal_shape_prefix([self.tokens, self.prefix_hidden], 2)
+        if (self.logit_index is None) != (self.logit_mask is None):
+            raise ValueError("logit_index and logit_mask come together")
+        if self.logit_index is not None:
+            chex.assert_rank(self.logit_index, 2)
+            chex.assert_equal_shape([self.logit_index, self.logit_mask])
+            chex.assert_equal_shape_prefix([self.tokens, self.logit_index], 1)
+            chex.assert_type(self.logit_index, jnp.int32)
+            chex.assert_type(self.logit_mask, bool)
         return self

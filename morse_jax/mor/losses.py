@@ -76,16 +76,28 @@ def role_ce(logits, tokens, loss_mask, role_ids, role_names: tuple[str, ...]) ->
     chex.assert_rank([tokens, loss_mask, role_ids], 2)
     chex.assert_equal_shape([tokens, loss_mask, role_ids])
     chex.assert_equal_shape_prefix([logits, tokens], 2)
-    logp = jax.nn.log_softmax(_f32(logits[:, :-1]), axis=-1)
-    target = tokens[:, 1:]
-    nll = -jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
-    mask = _f32(loss_mask[:, 1:])
+    return target_ce(logits[:, :-1], tokens[:, 1:], loss_mask[:, 1:], role_ids[:, 1:], role_names)
+
+
+@functools.partial(jax.jit, static_argnames=("role_names",))
+def target_ce(logits, targets, mask, roles, role_names: tuple[str, ...]) -> tuple[jax.Array, dict]:
+    """:func:`role_ce` on predictions already aligned with their targets: ``logits[b, c]``
+    (float[B, C, V]) predicts ``targets[b, c]`` (int[B, C]); ``mask`` bool[B, C] says which entries
+    count; ``roles`` int[B, C] is each target token's role. C may be every position (``role_ce``)
+    or only the positions that predict a target (``SFTBatch.logit_index``): the LM head then runs
+    on those alone. Same returns as :func:`role_ce`."""
+    chex.assert_rank(logits, 3)
+    chex.assert_equal_shape([targets, mask, roles])
+    chex.assert_equal_shape_prefix([logits, targets], 2)
+    logp = jax.nn.log_softmax(_f32(logits), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    mask = _f32(mask)
     count = jnp.sum(mask)
     loss = jnp.sum(nll * mask) / jnp.maximum(count, 1.0)
-    correct = _f32(jnp.argmax(logp, axis=-1) == target)
+    correct = _f32(jnp.argmax(logp, axis=-1) == targets)
     metrics = {"ce": loss, "tokens": count}
     for i, name in enumerate(role_names):
-        m = mask * _f32(role_ids[:, 1:] == i)
+        m = mask * _f32(roles == i)
         n = jnp.sum(m)
         metrics[f"ce/{name}"] = jnp.sum(nll * m) / jnp.maximum(n, 1.0)
         metrics[f"acc/{name}"] = jnp.sum(correct * m) / jnp.maximum(n, 1.0)

@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from morse_jax.models.config import ModelConfig
-from morse_jax.models.transformer import forward
+from morse_jax.models.transformer import forward, lm_head
 from morse_jax.mor.adapter import MoRInputs
 from morse_jax.mor.batch import NO_ROLE, SFTBatch
 from morse_jax.mor.config import MoRConfig
-from morse_jax.mor.losses import ALPHA_BALANCE, ALPHA_ORTH, balance_loss, orthogonality_loss, role_ce, router_stats
+from morse_jax.mor.losses import (ALPHA_BALANCE, ALPHA_ORTH, balance_loss, orthogonality_loss, role_ce, router_stats,
+                                  target_ce)
 from morse_jax.mor.params import routed_factors
 
 
@@ -100,10 +101,20 @@ def sft_loss(trainable: dict, frozen: dict, batch: SFTBatch, model_cfg: ModelCon
     frozen = jax.lax.stop_gradient(frozen)
     start = {} if batch.prefix_hidden is None else dict(
         start_layer=first_adapted_layer(model_cfg, mor_cfg), hidden=jax.lax.stop_gradient(batch.prefix_hidden))
-    logits, _, aux = forward(frozen, model_cfg, batch.tokens, positions=batch.positions, valid=batch.valid,
-                             segment_ids=batch.segment_ids, lora=MoRInputs(trainable, role_ids, mor_cfg),
-                             with_aux=True, **start)
-    ce, metrics = role_ce(logits, batch.tokens, batch.loss_mask & batch.valid, role_ids, mor_cfg.role_names)
+    gather = batch.logit_index is not None
+    out, _, aux = forward(frozen, model_cfg, batch.tokens, positions=batch.positions, valid=batch.valid,
+                          segment_ids=batch.segment_ids, lora=MoRInputs(trainable, role_ids, mor_cfg),
+                          with_aux=True, logits_mode="hidden" if gather else "all", **start)
+    if gather:  # the LM head at the positions that predict a target only
+        idx = batch.logit_index  # [B, C]
+        hidden = jnp.take_along_axis(out, idx[..., None], axis=1)  # [B, C, d]
+        nxt = idx + 1  # the predicted tokens' positions
+        take = lambda a: jnp.take_along_axis(a, nxt, axis=1)  # noqa: E731
+        mask = batch.logit_mask & take(batch.loss_mask & batch.valid)
+        ce, metrics = target_ce(lm_head(frozen, model_cfg, hidden), take(batch.tokens), mask, take(role_ids),
+                                mor_cfg.role_names)
+    else:
+        ce, metrics = role_ce(out, batch.tokens, batch.loss_mask & batch.valid, role_ids, mor_cfg.role_names)
     zero = jnp.zeros((), jnp.float32)
     balance = balance_term(aux, role_ids, mor_cfg) if aux else zero
     is_mor = mor_cfg.kind == "mor"

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from morse_jax.models.config import ModelConfig
-from morse_jax.models.transformer import forward, init_cache
+from morse_jax.models.transformer import forward, init_cache, lm_head
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora
 from morse_jax.rl.batch import SequenceBatch, SharedBatch
 
@@ -110,9 +110,6 @@ def token_logprobs(frozen, model_cfg: ModelConfig, hidden: jax.Array, targets: j
     Computed as logit[target] - logsumexp(logits): unlike a full log_softmax, no second [..., V]
     array is written and read back (the head's elementwise passes were ~1/3 of its time on CPU).
     """
-    head = frozen["embed"].T if model_cfg.tie_embeddings else frozen["lm_head"]
-    logits = jnp.einsum("...d,dv->...v", hidden, head).astype(jnp.float32)
-    if model_cfg.final_logit_softcap:
-        logits = jnp.tanh(logits / model_cfg.final_logit_softcap) * model_cfg.final_logit_softcap
+    logits = lm_head(frozen, model_cfg, hidden)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(logits, axis=-1)

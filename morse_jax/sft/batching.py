@@ -20,6 +20,10 @@ once per kept example (trimmed to the example's length, host memory: tokens x d 
 later batch carries it as ``prefix_hidden``, so each step and held-out evaluation runs the adapted
 layers only. Padding rows and positions get zeros (never attended to, never a target).
 
+Target positions (``gather_targets``, default on): each batch also says, per row, which positions
+predict a target token (``SFTBatch.logit_index``), so the objective runs the LM head there only;
+a rendered trajectory's targets are about a quarter of its tokens.
+
 Packing is not implemented here (the forward and MoR's objective accept ``segment_ids`` for
 packed rows, so it could be added as another plan); every row is one trajectory, with
 ``segment_ids`` = 0 and ``positions`` = 0..T-1.
@@ -35,6 +39,9 @@ import numpy as np
 
 from morse_jax.mor.batch import NO_ROLE, SFTBatch
 from morse_jax.sft.data import Rendered
+
+
+TARGET_COLUMNS_MULTIPLE = 32  # C of a bucket's logit_index is rounded up to this
 
 
 def bucket_length(n: int, buckets: Sequence[int]) -> int | None:
@@ -59,15 +66,18 @@ class BucketedData:
     Args:
       examples: the rendered trajectories.
       buckets: padded lengths, ascending.
+      gather_targets: batches carry ``logit_index`` / ``logit_mask`` (``SFTBatch``), so the
+        objective runs the LM head only where a target is predicted; False: at every position.
 
     Attributes:
       examples: the input, unchanged (indices in plans refer to it).
       kept: indices of the examples that fit a bucket and have a target.
       too_long: how many examples exceed the largest bucket (dropped).
       no_target: how many have no target token (dropped).
+      target_columns: per bucket length, C of its batches' ``logit_index``.
     """
 
-    def __init__(self, examples: Sequence[Rendered], buckets: Sequence[int]):
+    def __init__(self, examples: Sequence[Rendered], buckets: Sequence[int], *, gather_targets: bool = True):
         self.examples = tuple(examples)
         self.buckets = tuple(sorted(int(b) for b in buckets))
         self._bucket: dict[int, int] = {}
@@ -84,6 +94,14 @@ class BucketedData:
             else:
                 self._bucket[i] = b
         self.kept = tuple(sorted(self._bucket))
+        self.gather_targets = gather_targets
+        # per bucket, the target columns C of its batches: the most targets of one of its examples,
+        # rounded up to TARGET_COLUMNS_MULTIPLE (one compile per bucket, as for the length)
+        most: dict[int, int] = {}
+        for i, b in self._bucket.items():
+            most[b] = max(most.get(b, 0), int(np.asarray(self.examples[i].loss_mask, bool)[1:].sum()))
+        m = TARGET_COLUMNS_MULTIPLE
+        self.target_columns = {b: min(b - 1, -(-n // m) * m) for b, n in most.items()}
         self.prefix_states: dict[int, np.ndarray] | None = None  # example index -> float[n, d]
 
     @property
@@ -178,7 +196,7 @@ class BucketedData:
             loss_mask[r, :n] = ex.loss_mask
             valid[r, :n] = True
         positions = np.broadcast_to(np.arange(T, dtype=np.int32), (rows, T)).copy()
-        shape = (micro_batch, T) if accum_steps is None else (accum_steps, micro_batch, T)
+        lead = (micro_batch,) if accum_steps is None else (accum_steps, micro_batch)
         fields = dict(tokens=tokens, role_ids=role_ids, loss_mask=loss_mask, valid=valid, positions=positions,
                       segment_ids=np.zeros((rows, T), np.int32))
         if self.prefix_states is not None:
@@ -187,4 +205,17 @@ class BucketedData:
             for r, i in enumerate(plan.rows):
                 hidden[r, :len(self.prefix_states[i])] = self.prefix_states[i]
             fields["prefix_hidden"] = hidden
-        return SFTBatch(**{k: v.reshape(shape + v.shape[2:]) for k, v in fields.items()})
+        if self.gather_targets:
+            fields["logit_index"], fields["logit_mask"] = self._logit_index(plan, rows)
+        return SFTBatch(**{k: v.reshape(lead + v.shape[1:]) for k, v in fields.items()})
+
+    def _logit_index(self, plan: StepPlan, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """``SFTBatch.logit_index`` / ``logit_mask`` [rows, C] of ``plan`` (C: its bucket's)."""
+        C = self.target_columns[plan.length]
+        index = np.zeros((rows, C), np.int32)
+        mask = np.zeros((rows, C), bool)
+        for r, i in enumerate(plan.rows):
+            at = np.flatnonzero(np.asarray(self.examples[i].loss_mask, bool)[1:])  # t: token t + 1 is a target
+            index[r, :len(at)], index[r, len(at):] = at, at[-1]
+            mask[r, :len(at)] = True
+        return index, mask

@@ -72,6 +72,14 @@ the cores, load 5.9-6.8), median of 3 alternated reps:
 after a one-time 38.8 s (compile + run) for the 22 frozen layers of this batch. Less than the
 ~1.9x that layer counts suggest: the backward through the 8 adapted layers, the LM head and the
 CE over 49k logits per token stay in every step.
+
+Target gathering (``--head-all``), 2026-12-05, ``python bench/sft_step.py --ours-only --prefix --head-all
+--layers 8 --reps 3`` (three training runs on the cores, load 6.5), median of 3 interleaved reps:
+
+  ours:mor            14.09 s   cpu 7.82   (LM head at the 179 target positions)
+  ours:lora           13.11 s   cpu 7.34
+  ours:mor+head-all   15.15 s   cpu 9.02   (LM head at all 1024 positions: 1.08x wall, 1.15x cpu slower)
+  ours:mor+prefix     10.11 s   cpu 5.80   (prefix states and the gathered head)
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ END = 1  # end-of-turn token (a target)
 HEADERS = (2, 3, 4)  # role-turn header token per role (carries the role, not a target)
 
 
-def backbone(seed: int = 0):
-    params = init_params(jax.random.key(seed), CFG)
+def backbone(seed: int = 0, *, cfg: ModelConfig = CFG, mor: MoRConfig = MOR):
+    params = init_params(jax.random.key(seed), cfg)
     params["lm_head"] = params["lm_head"] * 10.0  # logits that depend on the hidden state
-    return split_segments(params, MOR.n_adapt)
+    return split_segments(params, mor.n_adapt)
 
 
 OBJECTIVE = mor_objective(CFG, MOR)  # one object: the trainer's jitted steps are cached per objective
@@ -36,8 +36,8 @@ def objective():
     return OBJECTIVE
 
 
-def trainable(seed: int = 1, b_scale: float = 0.0):
-    bank = init_mor_params(jax.random.key(seed), CFG, MOR)
+def trainable(seed: int = 1, b_scale: float = 0.0, *, cfg: ModelConfig = CFG, mor: MoRConfig = MOR):
+    bank = init_mor_params(jax.random.key(seed), cfg, mor)
     if b_scale:
         keys = iter(jax.random.split(jax.random.key(seed + 1), len(bank["b"])))
         bank["b"] = {t: b_scale * jax.random.normal(next(keys), x.shape) for t, x in bank["b"].items()}

@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from morse_jax.models import ModelConfig, init_params
-from morse_jax.models.transformer import forward, split_segments
+from morse_jax.models import ModelConfig
+from morse_jax.models.transformer import forward
 from morse_jax.mor.config import MoRConfig
 from morse_jax.mor.objective import first_adapted_layer, frozen_prefix, sft_loss
-from morse_jax.mor.params import init_mor_params
 from morse_jax.sft.batching import BucketedData, StepPlan
 from morse_jax.sft.config import SFTConfig
 from morse_jax.sft.trainer import SFTTrainer
@@ -28,16 +27,11 @@ BUCKETS = (48,)
 
 
 def _frozen():
-    params = init_params(jax.random.key(0), CFG)
-    params["lm_head"] = params["lm_head"] * 10.0
-    return split_segments(params, MOR.n_adapt)
+    return common.backbone(cfg=CFG, mor=MOR)
 
 
 def _trainable(b_scale=0.3):
-    p = init_mor_params(jax.random.key(1), CFG, MOR)
-    keys = iter(jax.random.split(jax.random.key(2), len(p["b"])))
-    p["b"] = {t: b_scale * jax.random.normal(next(keys), b.shape) for t, b in p["b"].items()}
-    return p
+    return common.trainable(b_scale=b_scale, cfg=CFG, mor=MOR)
 
 
 LOSS = functools.partial(sft_loss, model_cfg=CFG, mor_cfg=MOR)

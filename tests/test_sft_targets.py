@@ -14,11 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from morse_jax.models import ModelConfig, init_params
-from morse_jax.models.transformer import split_segments
+from morse_jax.models import ModelConfig
 from morse_jax.mor.config import MoRConfig
 from morse_jax.mor.objective import frozen_prefix, sft_loss
-from morse_jax.mor.params import init_mor_params
 from morse_jax.sft.batching import TARGET_COLUMNS_MULTIPLE, BucketedData, StepPlan
 from morse_jax.sft.config import SFTConfig
 from morse_jax.sft.trainer import SFTTrainer
@@ -32,16 +30,11 @@ LOSS = functools.partial(sft_loss, model_cfg=CFG, mor_cfg=MOR)
 
 
 def _frozen():
-    params = init_params(jax.random.key(0), CFG)
-    params["lm_head"] = params["lm_head"] * 10.0
-    return split_segments(params, MOR.n_adapt)
+    return common.backbone(cfg=CFG, mor=MOR)
 
 
 def _trainable(b_scale=0.3):
-    p = init_mor_params(jax.random.key(1), CFG, MOR)
-    keys = iter(jax.random.split(jax.random.key(2), len(p["b"])))
-    p["b"] = {t: b_scale * jax.random.normal(next(keys), b.shape) for t, b in p["b"].items()}
-    return p
+    return common.trainable(b_scale=b_scale, cfg=CFG, mor=MOR)
 
 
 def test_logit_index_lists_the_positions_that_predict_a_target():

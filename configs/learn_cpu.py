@@ -4,8 +4,8 @@ The embedded SmolLM2-135M-Instruct, generated multi-step Python tasks (morse_jax
 template DAG: 2-3 helper functions, then a merge + ``solve``), training tasks from the ``train``
 split, evaluation on the iid split (``--config.data.eval=ood`` for the OOD split). Sized for the
 2 cores, though not to the 2 h aimed at: measured, ``bench/learning.py --variants A,B,C,D --seeds
-0 1 --steps 20 --eval-every 10`` took 6.4 h of runs (two at a time: ~3.2 h elapsed; README,
-"Does it learn?"), so three seeds take ~4.8 h elapsed.
+0 1 2 --steps 20 --eval-every 10`` took 11.0 h of runs (two or three at a time: ~4.9 h elapsed;
+README, "Does it learn?").
 Variants: ``--config configs/learn_cpu.py:B`` (A, B, B++, C, D, single_agent, base), written to
 runs/learn_cpu_<variant>.
 """

@@ -348,9 +348,7 @@ def _head(params: Params, cfg: ModelConfig, x, logits_mode: str):
 
 
 def lm_head(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """The LM head on final-normed hidden states (``forward(..., logits_mode="hidden")``):
-    hidden [..., d] -> float32 logits [..., V], soft-capped where the family does. Callers that
-    need logits at a few positions only (the targets of a loss) gather the hidden states first."""
+    """Final-normed hidden [..., d] -> float32 logits [..., V], soft-capped where the family does."""
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     return final_logits(jnp.einsum("...d,dv->...v", hidden, head), cfg)
 

@@ -164,6 +164,34 @@ def test_converter_from_function_calling_records(char_tokenizer):
         fc_trajectories.from_function_calling({"functions": [], "calls": []})
 
 
+def test_converter_thought_styles():
+    """names: the first thought opens with "Plan:", names each reference call's function in order
+    and no argument value; plan: it names every call with its arguments. Both hand over to the
+    role the record needs, and the executor turn is the same."""
+    records = synthetic.generate(60, seed=3)
+    assert any(r["calls"] for r in records) and any(not r["calls"] for r in records)
+    for rec in records:
+        names = fc_trajectories.from_function_calling(rec, thought="names")
+        plan = fc_trajectories.from_function_calling(rec, thought="plan")
+        assert names.turns[0] == plan.turns[0] and names.turns[2:] == plan.turns[2:]
+        first, spelled = names.turns[1].content, plan.turns[1].content
+        assert first.startswith("Plan: ")
+        if rec["calls"]:
+            called = [n for c in rec["calls"] for n in c]
+            pos = [first.index(n) for n in called]
+            assert pos == sorted(pos) and first.endswith("Next: executor.")
+            for c in rec["calls"]:
+                for name, args in c.items():
+                    assert f"{name} with " in spelled
+                    for v in args.values():
+                        if isinstance(v, str) and len(v) > 3:
+                            assert repr(v) in spelled and repr(v) not in first
+        else:
+            assert first.startswith("Plan: no call.") and first.endswith("Next: summarizer.")
+    with pytest.raises(ValueError, match="thought"):
+        fc_trajectories.from_function_calling(records[0], thought="prose")
+
+
 @pytest.mark.gguf
 @pytest.mark.slow
 def test_render_with_smollm2_tokenizer(smollm2_path):

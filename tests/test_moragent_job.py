@@ -77,6 +77,7 @@ def test_derived_adapter_and_sft_settings():
                                   "summarizer), got (4, 4)"),
     ({"moragent.targets": ("q", "x")}, "config.moragent.targets: must be a non-empty subset of"),
     ({"moragent.shared_gate": "relu"}, "config.moragent.shared_gate: must be one of ('always', 'sigmoid'), got 'relu'"),
+    ({"moragent.thought": "prose"}, "config.moragent.thought: must be one of ('names', 'plan'), got 'prose'"),
     ({"moragent.micro_batch": 3}, "config.moragent.batch_size: 8 is not a multiple of config.moragent.micro_batch=3"),
     ({"moragent.eval_subset": ("simple:5",)}, "config.moragent.eval_subset: entry 'simple:5': unknown category"),
     ({"moragent.eval_subset": ("multiple:x",)}, "config.moragent.eval_subset: entry 'multiple:x': the count"),

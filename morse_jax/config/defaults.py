@@ -168,6 +168,10 @@ def moragent_defaults() -> ml_collections.ConfigDict:
     m.train_data = "synthetic"
     m.synthetic_examples = 5000  # records generated for "synthetic"
     m.heldout_examples = 200  # of them (or of the file's records) held out for the per-role held-out loss
+    # the reasoner's templated first thought in "synthetic" trajectories: names ("Plan: call f, ...":
+    # a fixed opener, function names only) | plan (every call with its arguments, the first design);
+    # tasks.bfcl.trajectories.from_function_calling says why
+    m.thought = "names"
     # the MoR adapter (morse_jax.mor); the role names are morse_jax.tasks.trajectories.ROLE_NAMES
     m.routed = (4, 4, 3)  # routed LoRAs per role (reasoner, executor, summarizer), plus one shared each
     m.top_k = (3, 3, 2)  # routed LoRAs kept per token in each role's group

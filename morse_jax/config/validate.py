@@ -189,6 +189,7 @@ def _validate_moragent(cfg, *, check_paths: bool) -> None:
     """config.system="moragent": the variant, the moragent.* fields, the model and data paths."""
     from morse_jax.models.adapters import LORA_TARGETS
     from morse_jax.tasks.bfcl.subset import parse_subset
+    from morse_jax.tasks.bfcl.trajectories import THOUGHT_STYLES
     from morse_jax.tasks.trajectories import ROLE_NAMES
 
     m = cfg.moragent
@@ -212,6 +213,7 @@ def _validate_moragent(cfg, *, check_paths: bool) -> None:
         raise ConfigError(f"config.moragent.targets: must be a non-empty subset of {LORA_TARGETS}, got {tuple(m.targets)}")
     _choice(cfg, "moragent.shared_gate", ("always", "sigmoid"))
     _choice(cfg, "moragent.role_choice", ("likelihood", "text"))
+    _choice(cfg, "moragent.thought", THOUGHT_STYLES)
     _positive(cfg, "moragent.rank", "moragent.epochs", "moragent.batch_size", "moragent.micro_batch",
               "moragent.checkpoint_every", "moragent.eval_batch", "moragent.direct_max_new_tokens",
               "moragent.max_turns", "moragent.reasoner_max_new_tokens", "moragent.executor_max_new_tokens",

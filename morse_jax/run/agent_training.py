@@ -132,7 +132,8 @@ def training_trajectories(cfg) -> tuple[list[Trajectory], list[Trajectory]]:
     """(training, held-out) trajectories of ``moragent.train_data``."""
     m = cfg.moragent
     if m.train_data == "synthetic":
-        trajs = [from_function_calling(r) for r in generate_records(m.synthetic_examples, seed=cfg.seed)]
+        trajs = [from_function_calling(r, thought=m.thought)
+                 for r in generate_records(m.synthetic_examples, seed=cfg.seed)]
     else:
         trajs, _ = load_jsonl(m.train_data)
     n_held = min(m.heldout_examples, max(len(trajs) - 1, 0))

@@ -24,18 +24,56 @@ def _args_text(args: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in args.items()) or "no arguments"
 
 
-def from_function_calling(record: Mapping[str, Any], *, system: str = DEFAULT_SYSTEM) -> Trajectory:
+THOUGHT_STYLES = ("names", "plan")
+
+
+def _first_thought(calls: list, offered: set, style: str, v: int) -> str:
+    """The reasoner's first turn (see :func:`from_function_calling` for the two styles)."""
+    if style == "names":
+        if not calls:
+            return (f"Plan: no call. None of the available functions ({', '.join(sorted(offered)) or 'none'}) "
+                    "can do what the user asks. Next: summarizer.")
+        names = [name for c in calls for name in c]
+        what = f"call {names[0]}" if len(names) == 1 else f"{len(names)} calls: {', '.join(names)}"
+        return f"Plan: {what}, with the arguments the request states. Next: executor."
+    if not calls:
+        return (f"None of the available functions ({', '.join(sorted(offered)) or 'none'}) can do what the user "
+                "asks, so no call should be made. Next: summarizer.")
+    plan = "; ".join(f"{name} with {_args_text(args)}" for c in calls for name, args in c.items())
+    n = len(calls)
+    what = "one call" if n == 1 else f"{n} calls"
+    return (f"The request maps to {what}: {plan}. Every required value is stated, so the executor should "
+            f"make {'it' if n == 1 else 'them'}. Next: executor." if v == 0 else
+            f"I need {what} here: {plan}. The arguments come straight from the request. Next: executor.")
+
+
+def from_function_calling(record: Mapping[str, Any], *, system: str = DEFAULT_SYSTEM,
+                          thought: str = "names") -> Trajectory:
     """A plain single-turn function-calling record ``{"query", "functions", "calls"}`` (calls as
     ``[{name: {param: value}}]``, ``[]`` when no offered function applies) -> a multi-role trajectory.
 
     The paper completes thoughts and summaries with GPT-4o and grades them with DeepSeek-V3; those
     completions are not available offline, so every role turn here is templated from the reference
-    calls: the reasoner names the calls and the next role, the executor makes exactly the reference
+    calls: the reasoner's thought decides and hands over, the executor makes exactly the reference
     calls (BFCL's ``[func(param=value)]`` syntax), the observation reports a success per call, the
     reasoner then hands over to the summarizer, which restates what was done. With no call, the
-    reasoner explains that no offered function applies and goes straight to the summarizer, which
-    declines. The template variant is chosen by a hash of the query (deterministic).
+    reasoner says that no offered function applies and goes straight to the summarizer, which
+    declines. Template variants are chosen by a hash of the query (deterministic).
+
+    ``thought`` (the reasoner's first turn):
+
+    * ``"names"`` (default): "Plan: call f, with the arguments the request states. Next: executor."
+      (or "Plan: 2 calls: f, g, ..." / "Plan: no call. ..."): one fixed opener and the function
+      names only. Why: with "plan", a small model after short SFT (SmolLM2-135M, one epoch) still
+      opened its thought in prose ("The area of a triangle is ..."; the plan style's own openers
+      "The request ..." / "I need ..." start like prose), and its executor, trained to copy the
+      arguments out of the thought, then had nothing to copy. A fixed opener is learnt in a few
+      steps, and the executor learns to take the arguments from the request itself.
+    * ``"plan"``: the thought spells out every call with its arguments, in two phrasings (the
+      converter's first design; the README's earlier BFCL rows were trained on it).
     """
+    if thought not in THOUGHT_STYLES:
+        raise ValueError(f"thought: must be one of {THOUGHT_STYLES}, got {thought!r}")
     for key in ("query", "functions", "calls"):
         if key not in record:
             raise DataFormatError(f"{key}: missing from the function-calling record")
@@ -46,23 +84,17 @@ def from_function_calling(record: Mapping[str, Any], *, system: str = DEFAULT_SY
             raise DataFormatError(f"calls: {c!r} is not one call of an offered function")
     v = zlib.crc32(query.encode()) % 2
     turns = [Turn("user", query)]
+    first = _first_thought(calls, offered, thought, v)
     if calls:
-        plan = "; ".join(f"{name} with {_args_text(args)}" for c in calls for name, args in c.items())
         n = len(calls)
-        what = "one call" if n == 1 else f"{n} calls"
-        thought = (f"The request maps to {what}: {plan}. Every required value is stated, so the executor should "
-                   f"make {'it' if n == 1 else 'them'}. Next: executor." if v == 0 else
-                   f"I need {what} here: {plan}. The arguments come straight from the request. Next: executor.")
         obs = json.dumps([{"function": name, "status": "ok"} for c in calls for name in c])
         done = ", ".join(f"{name} ({_args_text(args)})" for c in calls for name, args in c.items())
-        turns += [Turn("reasoner", thought), Turn("executor", format_calls(calls)), Turn("observation", obs),
+        turns += [Turn("reasoner", first), Turn("executor", format_calls(calls)), Turn("observation", obs),
                   Turn("reasoner", "The calls succeeded, so the request is done. Next: summarizer." if n > 1 else
                        "The call succeeded, so the request is done. Next: summarizer."),
                   Turn("summarizer", f"Done. I ran {done}." if v == 0 else f"All set: I called {done}.")]
     else:
-        names = ", ".join(sorted(offered)) or "none"
-        turns += [Turn("reasoner", f"None of the available functions ({names}) can do what the user asks, so no "
-                                   "call should be made. Next: summarizer."),
+        turns += [Turn("reasoner", first),
                   Turn("summarizer", "I can't do that with the functions available here; none of them covers "
                                      "this request.")]
     return Trajectory(turns=tuple(turns), functions=tuple(functions), system=system,

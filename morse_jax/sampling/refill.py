@@ -196,15 +196,17 @@ def run_refill(progs: RefillPrograms, config: SamplerConfig, tokenizer, reqs: Se
     stop_at = np.full(rows, -1)
     index, step = P, 0
 
-    def prefill_key(j: int):
-        return prefill_key_of(reqs[j]) if config.share_prefill else j
-
-    uses = collections.Counter(prefill_key(j) for j in queue)  # queued requests per prefill key
-    kept: dict[Any, tuple[PrefillOutput, int]] = {}  # prefill key -> (its one-row prefill, prompt end)
+    # request -> the number of its distinct prefill key, computed once (a key holds the whole prompt,
+    # and tuples do not cache their hash: looking keys up per fill would cost O(prompt) each time)
+    distinct: dict[tuple, int] = {}
+    key_of = [distinct.setdefault(prefill_key_of(r), len(distinct)) if config.share_prefill else j
+              for j, r in enumerate(reqs)]
+    uses = collections.Counter(key_of)  # queued requests per prefill key
+    kept: dict[int, tuple[PrefillOutput, int]] = {}  # prefill key number -> (its one-row prefill, prompt end)
 
     def prefill_new(js: list[int]):
         """Prefill, as one batch, the distinct requests among ``js`` that have no kept prefill."""
-        new = list({prefill_key(j): j for j in js if prefill_key(j) not in kept}.values())
+        new = list({key_of[j]: j for j in js if key_of[j] not in kept}.values())
         if not new:
             return
         B = bucket(len(new), config.batch_buckets, "batch")
@@ -220,12 +222,12 @@ def run_refill(progs: RefillPrograms, config: SamplerConfig, tokenizer, reqs: Se
         stats["prefill_calls"] = stats.get("prefill_calls", 0) + 1
         stats["prefilled_requests"] = stats.get("prefilled_requests", 0) + len(new)
         for i, j in enumerate(new):
-            kept[prefill_key(j)] = (progs.take(pre, jnp.asarray([i], jnp.int32)), end)
+            kept[key_of[j]] = (progs.take(pre, jnp.asarray([i], jnp.int32)), end)
 
     def fill(r: int, j: int):
         nonlocal state
         req = reqs[j]
-        k = prefill_key(j)
+        k = key_of[j]
         pre, end = kept[k]
         uses[k] -= 1
         if not uses[k]:  # no queued request needs it any more

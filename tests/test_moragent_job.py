@@ -65,7 +65,7 @@ def test_derived_adapter_and_sft_settings():
     lora = derived.mor_config(_config(variant="lora"), mc)
     assert lora.kind == "lora" and lora.rank > mor.rank  # one LoRA with the group's budget
     s = derived.sft_config(_config())
-    assert (s.learning_rate, s.epochs, s.micro_batch, s.accum_steps, s.max_len) == (5e-4, 1, 4, 2, 1024)
+    assert (s.learning_rate, s.epochs, s.micro_batch, s.accum_steps, s.max_len) == (5e-4, 4, 4, 2, 1024)
 
 
 @pytest.mark.parametrize("override,message", [

@@ -14,8 +14,8 @@ model has): rank 4 on the last 8 layers (all seven projections, the paper's 1+4 
 and top 3 / 3 / 2), 300 generated trajectories (40 held out), the paper's 4 epochs (132 steps of
 8), and a learning rate of 5e-4 instead of the paper's 5e-5 (raised for a set ~100x smaller than
 the paper's; 5e-5 was not measured here). The BFCL subset is 50 simple_python + 25 multiple + 25
-parallel + 25 irrelevance items, half the issue's 250: the base model alone took 38 min for it on
-this machine's 2 cores beside two training runs.
+parallel + 25 irrelevance items, half the issue's 250: the base model alone took 11-38 min for it on
+this machine's 2 cores beside two training runs (README "MoRAgent on BFCL" has every row's time).
 """
 
 from morse_jax.config.defaults import get_config as defaults

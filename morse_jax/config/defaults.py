@@ -204,6 +204,15 @@ def moragent_defaults() -> ml_collections.ConfigDict:
     # the reasoner's hand-over: likelihood (the closed-set decision "Next: executor." vs "Next: summarizer."
     # scored by the model after its thought) | text (parsed from the generated text); run.role_loop
     m.role_choice = "likelihood"
+    # the reasoner's first turn: generate (written by the model, the hand-over read by role_choice) |
+    # closed (the "names" template's free choices, number of calls and function names, each scored
+    # by the model as a closed set: a grammar-constrained greedy decode; run.closed_thought). closed
+    # needs a reasoner trained on "names" thoughts (moragent.thought, or a JSONL written that way)
+    m.first_thought = "generate"
+    # with first_thought=closed: added to the "no call" thought's log-probability (0 = the model's own
+    # preference; > 0 leans to no call). Select it on a dev split (the answers file records each
+    # item's head log-probabilities), never on the categories the report scores
+    m.no_call_bias = 0.0
     m.reasoner_max_new_tokens = 96
     m.executor_max_new_tokens = 128
     m.summarizer_max_new_tokens = 64

@@ -214,6 +214,10 @@ def _validate_moragent(cfg, *, check_paths: bool) -> None:
     _choice(cfg, "moragent.shared_gate", ("always", "sigmoid"))
     _choice(cfg, "moragent.role_choice", ("likelihood", "text"))
     _choice(cfg, "moragent.thought", THOUGHT_STYLES)
+    _choice(cfg, "moragent.first_thought", ("generate", "closed"))  # run.role_loop.FIRST_THOUGHTS (a layer above)
+    if m.first_thought == "closed" and m.train_data == "synthetic" and m.thought != "names":
+        raise ConfigError(f"config.moragent.first_thought: 'closed' reads the \"names\" template, but the reasoner is "
+                          f"trained on moragent.thought={m.thought!r}")
     _positive(cfg, "moragent.rank", "moragent.epochs", "moragent.batch_size", "moragent.micro_batch",
               "moragent.checkpoint_every", "moragent.eval_batch", "moragent.direct_max_new_tokens",
               "moragent.max_turns", "moragent.reasoner_max_new_tokens", "moragent.executor_max_new_tokens",

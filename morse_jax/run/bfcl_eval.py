@@ -17,12 +17,14 @@ item subsets are :mod:`morse_jax.tasks.bfcl.subset`'s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 from morse_jax.models.chat import encode_chat
+from morse_jax.run.closed_thought import choose_first_thoughts
 from morse_jax.run.role_loop import RoleLoopConfig, ScoreFn, executor_text, run_role_loop
 from morse_jax.sampling.requests import Completion, Request
 from morse_jax.tasks import bfcl
@@ -41,6 +43,7 @@ class Answer:
     text: str
     turns: list = dataclasses.field(default_factory=list)
     tokens: int = 0  # generated tokens, all turns
+    scores: tuple[float, ...] = ()  # the role loop's chosen first turn's scores (first_thought="closed")
 
 
 def direct_requests(items: Sequence[BfclItem], tokenizer, *, max_new_tokens: int,
@@ -101,6 +104,8 @@ def evaluate_items(items: Sequence[BfclItem], answer: Callable[[Sequence[BfclIte
                    "error_type": r.error_type, "has_call": r.has_call, "tokens": a.tokens, "seconds": round(per_item, 2)}
             if a.turns:
                 rec["turns"] = [list(t) for t in a.turns]
+            if a.scores:
+                rec["head_logprobs"] = [round(v, 4) for v in a.scores]
             recs.append(rec)
             done[it.id] = rec
         if answers_path is not None:
@@ -134,13 +139,20 @@ def answer_roles(generate: GenerateFn, tokenizer, config: RoleLoopConfig, *, sto
     """The role-loop protocol as a function items -> answers: the answer is the first executor
     turn's text (BFCL scores its calls; no executor turn = no call). BFCL v4 ships no executable
     functions, so nothing is executed: the episode ends after the executor's turn (there is no
-    observation to feed back). score: the role loop's decision scoring (``RoleLoopConfig.role_choice``)."""
+    observation to feed back). score: the role loop's decision scoring (``RoleLoopConfig.role_choice``;
+    with ``first_thought="closed"`` also the choice of the first thought, ``run.closed_thought``)."""
     config = dataclasses.replace(config, stop_after_executor=True)
+    choose_first = None
+    if config.first_thought == "closed":
+        if score is None:
+            raise ValueError("answer_roles: first_thought='closed' needs a score function")
+        choose_first = functools.partial(choose_first_thoughts, score=score, tokenizer=tokenizer,
+                                         no_call_bias=config.no_call_bias)
 
     def answer(items: Sequence[BfclItem]) -> list[Answer]:
         eps = run_role_loop([item_trajectory(it, system) for it in items], generate, tokenizer, config,
-                            stop_token_ids=stop_token_ids, score=score)
+                            stop_token_ids=stop_token_ids, score=score, choose_first=choose_first)
         return [Answer(text=executor_text(e), turns=[(t.role, t.content) for t in e.traj.turns if t.role in ROLE_NAMES],
-                       tokens=e.tokens) for e in eps]
+                       tokens=e.tokens, scores=e.first_scores) for e in eps]
 
     return answer

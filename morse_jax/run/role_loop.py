@@ -43,6 +43,7 @@ from morse_jax.tasks.trajectories import ROLE_NAMES, Trajectory, Turn
 _NEXT = re.compile(r"next\s*(?:role)?\s*:\s*(reasoner|executor|summarizer)", re.IGNORECASE)
 _MARKER = re.compile(r"next\s*(?:role)?\s*:", re.IGNORECASE)
 DECISIONS = ("executor", "summarizer")  # the roles a reasoner can hand over to
+FIRST_THOUGHTS = ("generate", "closed")
 _CALL = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
 
 
@@ -57,6 +58,12 @@ class RoleLoopConfig:
     temperature: 0 = greedy.
     role_choice: "likelihood" (the reasoner's decision scored as a closed set, see the module
       docstring; needs a ``score`` function) | "text" (parsed from the generated text, :func:`next_role`).
+    first_thought: "generate" (the reasoner writes its first turn; ``role_choice`` reads the
+      hand-over) | "closed" (the first reasoner turn, thought and hand-over, is chosen by a
+      ``choose_first`` function instead of generated, e.g. ``run.closed_thought``'s closed-set
+      reading of the "names" template; later reasoner turns are generated).
+    no_call_bias: with first_thought="closed", added to the "no call" choice's log-probability
+      (``run.closed_thought``; 0 = the model's own preference).
     """
 
     max_turns: int = 4
@@ -64,10 +71,14 @@ class RoleLoopConfig:
     stop_after_executor: bool = True
     temperature: float = 0.0
     role_choice: str = "likelihood"
+    first_thought: str = "generate"
+    no_call_bias: float = 0.0
 
     def __post_init__(self):
         if self.role_choice not in ("likelihood", "text"):
             raise ValueError(f"role_choice must be 'likelihood' or 'text', got {self.role_choice!r}")
+        if self.first_thought not in FIRST_THOUGHTS:
+            raise ValueError(f"first_thought must be one of {FIRST_THOUGHTS}, got {self.first_thought!r}")
 
     def budget(self, role: str) -> int:
         return dict(self.max_new_tokens)[role]
@@ -108,6 +119,20 @@ class Continuation:
 
 
 ScoreFn = Callable[[Sequence[Continuation]], Sequence[float]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChosenTurn:
+    """A reasoner turn chosen rather than generated: the role it hands over to, its text, and the
+    scores its choice was made on (kept with the answer, e.g. for calibration on a dev split)."""
+
+    role: str
+    text: str
+    scores: tuple[float, ...] = ()
+
+
+# episodes whose first reasoner turn is due -> that turn for each
+ChooseFirstFn = Callable[[Sequence[Trajectory]], Sequence[ChosenTurn]]
 
 
 def decision_continuations(traj: Trajectory, thought: str, tokenizer) -> list[Continuation]:
@@ -167,6 +192,7 @@ class Episode:
     role: str | None = "reasoner"
     role_turns: int = 0
     tokens: int = 0  # generated tokens, all turns
+    first_scores: tuple[float, ...] = ()  # the chosen first turn's scores (first_thought="closed")
 
     def add(self, turn: Turn) -> None:
         self.traj = dataclasses.replace(self.traj, turns=self.traj.turns + (turn,))
@@ -174,7 +200,8 @@ class Episode:
 
 def run_role_loop(starts: Sequence[Trajectory], generate: Callable[[Sequence[Request]], Sequence[Completion]],
                   tokenizer, config: RoleLoopConfig, *, stop_token_ids: Sequence[int] = (),
-                  observe: Callable[[str], str] | None = None, score: ScoreFn | None = None) -> list[Episode]:
+                  observe: Callable[[str], str] | None = None, score: ScoreFn | None = None,
+                  choose_first: ChooseFirstFn | None = None) -> list[Episode]:
     """Run the loop on every start (a trajectory holding the request: system, functions, user
     turn(s)) until each episode ends; returns the finished episodes in order.
 
@@ -182,11 +209,21 @@ def run_role_loop(starts: Sequence[Trajectory], generate: Callable[[Sequence[Req
     per round, rows of every role together. observe: executor text -> observation text (None: no
     environment; the episode ends after the executor, as with ``stop_after_executor``). score:
     continuations -> log-probabilities (needed by ``role_choice="likelihood"``; one call per round
-    with a reasoner turn, both decisions of every such episode together).
+    with a reasoner turn, both decisions of every such episode together). choose_first: the
+    first reasoner turn of every episode, chosen instead of generated (needed by
+    ``first_thought="closed"``; one call for all episodes before the first round).
     """
     if config.role_choice == "likelihood" and score is None:
         raise ValueError("run_role_loop: role_choice='likelihood' needs a score function")
+    if config.first_thought == "closed" and choose_first is None:
+        raise ValueError("run_role_loop: first_thought='closed' needs a choose_first function")
     eps = [Episode(traj=s) for s in starts]
+    if config.first_thought == "closed" and eps:
+        for e, chosen in zip(eps, choose_first([e.traj for e in eps]), strict=True):
+            e.add(Turn("reasoner", chosen.text))  # chosen, not generated: no tokens counted
+            e.first_scores = chosen.scores
+            e.role_turns = 1
+            e.role = None if e.role_turns >= config.max_turns else chosen.role
     while True:
         live = [e for e in eps if e.role is not None]
         if not live:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from morse_jax.tasks.bfcl.prompting import format_calls  # the answer syntax BFCL's decoder reads
 from morse_jax.tasks.trajectories import DataFormatError, Trajectory, Turn
@@ -27,15 +27,27 @@ def _args_text(args: Mapping[str, Any]) -> str:
 THOUGHT_STYLES = ("names", "plan")
 
 
+def names_head(n_calls: int) -> str:
+    """The opening of a "names" thought that decides the number of calls: "Plan: no call." /
+    "Plan: call" / "Plan: <n> calls:" (the function names follow the last two)."""
+    if n_calls < 0:
+        raise ValueError(f"n_calls must be >= 0, got {n_calls}")
+    return "Plan: no call." if n_calls == 0 else "Plan: call" if n_calls == 1 else f"Plan: {n_calls} calls:"
+
+
+def names_thought(names: Sequence[str], offered: Iterable[str]) -> str:
+    """The whole "names" thought for calls of ``names`` (in order; empty: no call) among the
+    ``offered`` function names, closed with its hand-over ("Next: executor." / "Next: summarizer.")."""
+    if not names:
+        return (f"{names_head(0)} None of the available functions ({', '.join(sorted(offered)) or 'none'}) "
+                "can do what the user asks. Next: summarizer.")
+    return f"{names_head(len(names))} {', '.join(names)}, with the arguments the request states. Next: executor."
+
+
 def _first_thought(calls: list, offered: set, style: str, v: int) -> str:
     """The reasoner's first turn (see :func:`from_function_calling` for the two styles)."""
     if style == "names":
-        if not calls:
-            return (f"Plan: no call. None of the available functions ({', '.join(sorted(offered)) or 'none'}) "
-                    "can do what the user asks. Next: summarizer.")
-        names = [name for c in calls for name in c]
-        what = f"call {names[0]}" if len(names) == 1 else f"{len(names)} calls: {', '.join(names)}"
-        return f"Plan: {what}, with the arguments the request states. Next: executor."
+        return names_thought([name for c in calls for name in c], offered)
     if not calls:
         return (f"None of the available functions ({', '.join(sorted(offered)) or 'none'}) can do what the user "
                 "asks, so no call should be made. Next: summarizer.")

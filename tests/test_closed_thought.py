@@ -25,7 +25,7 @@ from morse_jax.mor.config import MoRConfig
 from morse_jax.mor.params import init_mor_params
 from morse_jax.run import closed_thought as ct
 from morse_jax.run import role_loop as rl
-from morse_jax.run.agent_training import ContinuationScorer
+from morse_jax.run.continuation_scorer import ContinuationScorer
 from morse_jax.sampling.requests import Completion
 from morse_jax.sft.data import render
 from morse_jax.tasks.bfcl.trajectories import names_thought

@@ -18,23 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from morse_jax.checkpoint import Checkpointer
 from morse_jax.config.derived import mor_config, sft_config
-from morse_jax.mor.adapter import MoRInputs, layer_values
+from morse_jax.mor.adapter import layer_values
 from morse_jax.mor.config import MoRConfig
 from morse_jax.mor.objective import frozen_prefix, sft_loss
 from morse_jax.mor.params import init_mor_params, param_count
-from morse_jax.models.config import ModelConfig
-from morse_jax.models.transformer import forward, split_segments
-from morse_jax.rl.logprobs import token_logprobs
+from morse_jax.models.transformer import split_segments
 from morse_jax.run.metrics_log import MetricsWriter
-from morse_jax.run.role_loop import Continuation
 from morse_jax.sft.batching import BucketedData
 from morse_jax.sft.data import render
 from morse_jax.sft.state import SFTState, make_optimizer
@@ -57,69 +53,6 @@ class MoRRoleAdapter:
 
     def layers(self, params: Any, role_ids: jax.Array) -> tuple:
         return layer_values(params, role_ids, self.cfg)
-
-
-def window_logprob(trainable: dict, frozen: dict, tokens: jax.Array, role_ids: jax.Array, valid: jax.Array,
-                   index: jax.Array, index_mask: jax.Array, *, model_cfg: ModelConfig, mor_cfg: MoRConfig) -> jax.Array:
-    """Per row, the sum of log p(tokens[t + 1] | tokens[:t + 1]) over the positions t in
-    ``index`` (where ``index_mask``), every token run under its role's group (MoR's forward, as
-    in SFT): float32[B].
-
-    tokens, role_ids: int32[B, T] (role -1: no adapter); valid: bool[B, T] (right padding);
-    index: int32[B, C] positions whose next token is scored, 0 <= t < T - 1; index_mask: bool[B, C].
-    The LM head runs at the B*C indexed positions only.
-    """
-    role_ids = jnp.where(valid, role_ids, -1)
-    hidden, _ = forward(frozen, model_cfg, tokens, valid=valid, lora=MoRInputs(trainable, role_ids, mor_cfg),
-                        logits_mode="hidden")
-    h = jnp.take_along_axis(hidden, index[..., None], axis=1)  # [B, C, d]
-    lp = token_logprobs(frozen, model_cfg, h, jnp.take_along_axis(tokens, index + 1, axis=1))
-    return jnp.sum(jnp.where(index_mask, lp, 0.0), axis=1)
-
-
-def _pow2(n: int, lo: int) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _length_bucket(n: int) -> int:
-    """The padded length for n tokens: a power of two or 1.5 times one (at most 1.5x padding, two
-    shapes per octave), at least 128."""
-    p = _pow2(n, 128)
-    return p * 3 // 4 if p > 128 and n <= p * 3 // 4 else p
-
-
-class ContinuationScorer:
-    """``run.role_loop.ScoreFn`` for a MoR adapter: continuations -> their log-probabilities, in
-    batches of at most ``max_rows`` rows, padded (rows and scored window to powers of two, length
-    to :func:`_length_bucket`) so that few shapes compile."""
-
-    def __init__(self, backbone, mor_cfg: MoRConfig, max_rows: int = 4):
-        n_adapt = mor_cfg.adapted_layers(backbone.config.num_layers)
-        self.frozen = backbone.params if n_adapt >= backbone.config.num_layers else split_segments(backbone.params,
-                                                                                                  n_adapt)
-        self.max_rows = max_rows
-        self.fn = jax.jit(functools.partial(window_logprob, model_cfg=backbone.config, mor_cfg=mor_cfg))
-
-    def __call__(self, params: dict, conts: Sequence[Continuation]) -> list[float]:
-        out = []
-        for lo in range(0, len(conts), self.max_rows):
-            out += self._batch(params, conts[lo:lo + self.max_rows])
-        return out
-
-    def _batch(self, params, conts) -> list[float]:
-        B = _pow2(len(conts), 1)
-        T = _length_bucket(max(len(c.ids) for c in conts))
-        C = _pow2(max(len(c.ids) - c.start for c in conts), 8)
-        tokens, roles = np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32)
-        valid, index, mask = np.zeros((B, T), bool), np.zeros((B, C), np.int32), np.zeros((B, C), bool)
-        for i, c in enumerate(conts):
-            if not 0 < c.start < len(c.ids):
-                raise ValueError(f"continuation {i}: start {c.start} not in (0, {len(c.ids)})")
-            n, k = len(c.ids), len(c.ids) - c.start
-            tokens[i, :n], roles[i, :n], valid[i, :n] = c.ids, c.roles, True
-            index[i, :k], mask[i, :k] = np.arange(c.start - 1, n - 1), True
-        res = np.asarray(self.fn(params, self.frozen, tokens, roles, valid, index, mask))
-        return res[:len(conts)].astype(float).tolist()
 
 
 def build_adapter(cfg, backbone, key: jax.Array) -> tuple[MoRRoleAdapter, dict]:

@@ -119,10 +119,9 @@ class AgentJob:
     def score(self, continuations):
         """Log-probabilities of continuations under the adapter (the role loop's decision scoring)."""
         if self._scorer is None:
-            from morse_jax.run.agent_training import ContinuationScorer
+            from morse_jax.run.continuation_scorer import ContinuationScorer
 
-            # 4 rows a batch: a full forward keeps [rows, heads, T, T] attention scores (T up to 2k here)
-            self._scorer = ContinuationScorer(self.backbone, self.role_adapter.cfg, max_rows=4)
+            self._scorer = ContinuationScorer(self.backbone, self.role_adapter.cfg)
         return self._scorer(self.params, continuations)
 
     def answer_fn(self):

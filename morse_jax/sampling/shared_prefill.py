@@ -53,14 +53,11 @@ def cache_row_layout(empty_cache_for_rows) -> tuple:
     return tuple(layout)
 
 
-def share_rows(pre: PrefillOutput, index: jax.Array, layout: tuple) -> PrefillOutput:
-    """Row r of the result is row ``index[r]`` of ``pre``.
-
-    pre: the prefill of U distinct rows (a batch bucket >= U). index: int32[B] into those rows.
-    layout: ``cache_row_layout`` of the cache (static). Returns the prefill of B rows.
-    """
+def take_cache_rows(cache, index: jax.Array, layout: tuple):
+    """The KV cache whose row r is row ``index[r]`` of ``cache`` (int32[B] into its U rows);
+    ``layout``: :func:`cache_row_layout` of the cache (static)."""
     B = index.shape[0]
-    leaves, treedef = jax.tree.flatten(pre.cache)
+    leaves, treedef = jax.tree.flatten(cache)
     assert len(leaves) == len(layout), "cache layout does not match the cache"
     rows = []
     for x, lay in zip(leaves, layout):
@@ -71,8 +68,17 @@ def share_rows(pre: PrefillOutput, index: jax.Array, layout: tuple) -> PrefillOu
         blocks = x.reshape(x.shape[:ax] + (x.shape[ax] // k, k) + x.shape[ax + 1:])  # [.., U, k, ..]
         taken = jnp.take(blocks, index, axis=ax)  # [.., B, k, ..]
         rows.append(taken.reshape(x.shape[:ax] + (B * k,) + x.shape[ax + 1:]))
+    return jax.tree.unflatten(treedef, rows)
+
+
+def share_rows(pre: PrefillOutput, index: jax.Array, layout: tuple) -> PrefillOutput:
+    """Row r of the result is row ``index[r]`` of ``pre``.
+
+    pre: the prefill of U distinct rows (a batch bucket >= U). index: int32[B] into those rows.
+    layout: ``cache_row_layout`` of the cache (static). Returns the prefill of B rows.
+    """
     take = lambda a: None if a is None else jnp.take(a, index, axis=0)  # noqa: E731
-    return PrefillOutput(logits=take(pre.logits), cache=jax.tree.unflatten(treedef, rows), pos=take(pre.pos),
+    return PrefillOutput(logits=take(pre.logits), cache=take_cache_rows(pre.cache, index, layout), pos=take(pre.pos),
                          prefix_states=take(pre.prefix_states))
 
 

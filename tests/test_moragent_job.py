@@ -15,7 +15,8 @@ from morse_jax.config import derived
 from morse_jax.config.validate import ConfigError, validate_config
 from morse_jax.models import ModelConfig
 from morse_jax.run import moragent as ma
-from morse_jax.tasks.bfcl.subset import parse_subset, spaced
+from morse_jax.tasks import bfcl
+from morse_jax.tasks.bfcl.subset import DEFAULT_SUBSET, parse_subset, select_items, spaced
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,6 +110,24 @@ def test_base_row_cannot_train():
 def test_subset_is_fixed_and_spread():
     assert parse_subset("simple_python:3, irrelevance") == (("simple_python", 3), ("irrelevance", 0))
     assert spaced(10, 3) == [0, 3, 6] and spaced(4, 0) == [0, 1, 2, 3] and spaced(4, 9) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("category", ["simple_python", "multiple", "parallel", "irrelevance", "live_simple"])
+def test_dev_split_never_touches_any_scored_subset(category):
+    """Dev items are drawn from outside issue 19's full subset (so also outside its halves, the
+    quickstart's), evenly spaced and fixed; by item id, from the loaded category itself."""
+    every = [it.id for it in bfcl.load(category)]
+    full = dict(DEFAULT_SUBSET).get(category, 0)
+    scored = set()
+    for n in {full, full // 2} - {0}:
+        scored |= {it.id for it in select_items(((category, n),))}
+    dev = [it.id for it in select_items(((category, 12),), "dev")]
+    assert len(dev) == len(set(dev)) == 12 and not scored & set(dev)
+    assert dev == [it.id for it in select_items(((category, 12),), "dev")]
+    pos = [every.index(i) for i in dev]
+    assert pos == sorted(pos) and pos[-1] - pos[0] > len(every) // 2  # spread over the category
+    with pytest.raises(ValueError, match="split must be one of"):
+        select_items(((category, 1),), "val")
 
 
 def _fake_run(root: Path, name: str, variant: str, verdicts: dict, subset=("simple_python:2", "irrelevance:1")):

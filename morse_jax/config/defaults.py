@@ -198,6 +198,9 @@ def moragent_defaults() -> ml_collections.ConfigDict:
     m.cache_frozen_prefix = True
     # evaluation: BFCL items "category:count" (evenly spaced in BFCL's order; count 0 = all)
     m.eval_subset = ("simple_python:100", "multiple:50", "parallel:50", "irrelevance:50")
+    # which items of those categories: test (the fixed subset) | dev (items issue 19's full subset never
+    # selects, evenly spaced; for choosing settings such as no_call_bias; tasks.bfcl.subset)
+    m.eval_split = "test"
     m.eval_batch = 8  # items answered per batch (answers are appended to <workdir>/bfcl_answers.jsonl)
     m.direct_max_new_tokens = 128  # the direct protocol's answer budget
     m.max_turns = 4  # role turns per episode (role loop)

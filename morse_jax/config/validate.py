@@ -188,7 +188,7 @@ def _model_path(cfg, check_paths: bool) -> None:
 def _validate_moragent(cfg, *, check_paths: bool) -> None:
     """config.system="moragent": the variant, the moragent.* fields, the model and data paths."""
     from morse_jax.models.adapters import LORA_TARGETS
-    from morse_jax.tasks.bfcl.subset import parse_subset
+    from morse_jax.tasks.bfcl.subset import SPLITS, parse_subset
     from morse_jax.tasks.bfcl.trajectories import THOUGHT_STYLES
     from morse_jax.tasks.trajectories import ROLE_NAMES
 
@@ -214,6 +214,7 @@ def _validate_moragent(cfg, *, check_paths: bool) -> None:
     _choice(cfg, "moragent.shared_gate", ("always", "sigmoid"))
     _choice(cfg, "moragent.role_choice", ("likelihood", "text"))
     _choice(cfg, "moragent.thought", THOUGHT_STYLES)
+    _choice(cfg, "moragent.eval_split", SPLITS)
     _choice(cfg, "moragent.first_thought", ("generate", "closed"))  # run.role_loop.FIRST_THOUGHTS (a layer above)
     if m.first_thought == "closed" and m.train_data == "synthetic" and m.thought != "names":
         raise ConfigError(f"config.moragent.first_thought: 'closed' reads the \"names\" template, but the reasoner is "

@@ -57,7 +57,7 @@ def eval_settings(cfg, trained_state: str) -> dict:
     m = cfg.moragent
     v = agent_variant_of(cfg)
     out = {"model": cfg.model.path, "dtype": cfg.model.dtype, "variant": cfg.variant, "protocol": v.protocol,
-           "subset": list(m.eval_subset), "trained_state": trained_state}
+           "subset": list(m.eval_subset), "split": m.eval_split, "trained_state": trained_state}
     if v.protocol == "direct":
         out["max_new_tokens"] = m.direct_max_new_tokens
     else:
@@ -67,7 +67,7 @@ def eval_settings(cfg, trained_state: str) -> dict:
 
 def comparable(settings: dict) -> dict:
     """The part of the settings every row of one report shares (not the variant, its protocol or state)."""
-    return {k: settings[k] for k in ("model", "dtype", "subset")}
+    return {k: settings.get(k, "test") if k == "split" else settings[k] for k in ("model", "dtype", "subset", "split")}
 
 
 def sampler_config(cfg) -> SamplerConfig:
@@ -142,7 +142,7 @@ class AgentJob:
                 answers.replace(answers.with_suffix(".jsonl.old"))
                 log.info("evaluation settings changed: previous answers moved to %s", answers.with_suffix(".jsonl.old"))
         record_path.write_text(json.dumps({"settings": settings}, indent=1))
-        items = select_items(parse_subset(tuple(self.cfg.moragent.eval_subset)))
+        items = select_items(parse_subset(tuple(self.cfg.moragent.eval_subset)), self.cfg.moragent.eval_split)
         bar = tqdm(total=len(items), initial=len(read_answers(answers)), desc=f"bfcl {self.cfg.variant}",
                    unit="item", disable=None)
         try:
@@ -182,7 +182,7 @@ def sibling_rows(workdir: Path, cfg, settings: dict) -> dict[str, list]:
 def write_agent_report(workdir: Path, cfg, settings: dict, run_info: dict, train_info: dict | None) -> Path:
     """report.md / report.json: Table 2 layout over this run and its comparable siblings."""
     rows = sibling_rows(workdir, cfg, settings)
-    subset = ", ".join(cfg.moragent.eval_subset)
+    subset = ", ".join(cfg.moragent.eval_subset) + (" (dev split)" if cfg.moragent.eval_split == "dev" else "")
     digest = hashlib.sha1(json.dumps(comparable(settings), sort_keys=True).encode()).hexdigest()[:8]
     lines = [f"# MoRAgent on BFCL v4 ({cfg.variant})", "",
              f"Fixed subset: {subset} (evenly spaced in BFCL's order; settings {digest}). BFCL v4 has no "

@@ -2,6 +2,11 @@
 
 A subset sees the whole of each category (not its first block, which BFCL orders by source) and
 is the same on every run.
+
+Two splits of a category's items: ``"test"`` (the evenly spaced items above, what a report
+scores) and ``"dev"`` (evenly spaced among the items that issue 19's full subset, DEFAULT_SUBSET,
+never selects, so that nothing chosen on dev items, e.g. a decoding setting, is chosen on any item
+of the 250-item subset or of its halves, which are subsets of it).
 """
 
 from __future__ import annotations
@@ -41,10 +46,24 @@ def spaced(n_total: int, n: int) -> list[int]:
     return [i * n_total // n for i in range(n)]
 
 
-def select_items(subset: Sequence[tuple[str, int]]) -> list[BfclItem]:
-    """The fixed subset: for each (category, count), ``count`` items evenly spaced in BFCL's order."""
+SPLITS = ("test", "dev")
+
+
+def dev_indices(category: str, n_total: int) -> list[int]:
+    """The indices a dev split draws from: those DEFAULT_SUBSET does not select in ``category``
+    (every index for a category it does not name)."""
+    taken = set(spaced(n_total, dict(DEFAULT_SUBSET)[category])) if category in dict(DEFAULT_SUBSET) else set()
+    return [i for i in range(n_total) if i not in taken]
+
+
+def select_items(subset: Sequence[tuple[str, int]], split: str = "test") -> list[BfclItem]:
+    """The fixed subset: for each (category, count), ``count`` items evenly spaced in BFCL's order
+    (split "test"), or evenly spaced among the category's :func:`dev_indices` (split "dev")."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     items = []
     for cat, n in subset:
         every = load(cat)
-        items += [every[i] for i in spaced(len(every), n)]
+        pool = list(range(len(every))) if split == "test" else dev_indices(cat, len(every))
+        items += [every[pool[i]] for i in spaced(len(pool), n)]
     return items

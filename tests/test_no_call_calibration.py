@@ -51,3 +51,11 @@ def test_main_prints_the_best(tmp_path, capsys):
     cal.main([str(p)])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["best_no_call_bias"] == 0.5 and last["summary"]["average"] == 75.0
+
+
+def test_main_at_a_given_bias(tmp_path, capsys):
+    p = tmp_path / "bfcl_answers.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in RECS))
+    cal.main([str(p), "--bias", "2.0"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["summary"]["live_ast"] == 0.0 and out["summary"]["irrelevance"] == 100.0

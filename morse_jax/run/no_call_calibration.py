@@ -14,7 +14,9 @@ quickstart's non-live subset::
     python -m morse_jax.run.no_call_calibration runs/dev/mor_closed/bfcl_answers.jsonl
 
 prints the dev summary for every candidate bias and the one with the best average (ties: the
-smallest bias).
+smallest bias). With ``--bias B`` it prints only the summary at B (per category too): what the
+chosen bias does on another run's answers, e.g. the scored subset's (exact for B >= 0: the same
+items turn into no call as in a run with ``moragent.no_call_bias=B``, the others keep their answers).
 """
 
 from __future__ import annotations
@@ -76,10 +78,16 @@ def best_bias(rows: Sequence[tuple[float, dict]]) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("answers", type=Path, help="bfcl_answers.jsonl of a first_thought=closed, bias-0 run (dev items)")
+    ap.add_argument("--bias", type=float, default=None, help="print the summary at this bias only (no selection)")
     args = ap.parse_args(argv)
     recs = list(read_answers(args.answers).values())
     if not any("head_logprobs" in r for r in recs):
         raise SystemExit(f"{args.answers}: no head_logprobs (run the evaluation with moragent.first_thought=closed)")
+    if args.bias is not None:
+        s = bfcl.summarize([result_of(r) for r in with_bias(recs, args.bias)])
+        print(json.dumps({"items": len(recs), "no_call_bias": args.bias,
+                          "summary": {k: (round(v, 1) if isinstance(v, float) else v) for k, v in s.items()}}))
+        return
     rows = sweep(recs)
     cols = [c for c in COLUMNS if rows[0][1].get(c) is not None]
     print("bias    " + "  ".join(f"{HEADERS[c]:>12}" for c in cols))

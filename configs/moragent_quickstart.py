@@ -16,10 +16,18 @@ and top 3 / 3 / 2), 300 generated trajectories (40 held out), the paper's 4 epoc
 the paper's; 5e-5 was not measured here). The BFCL subset is 50 simple_python + 25 multiple + 25
 parallel + 25 irrelevance items, half the issue's 250: the base model alone took 11-38 min for it on
 this machine's 2 cores beside two training runs (README "MoRAgent on BFCL" has every row's time).
+
+Answering: the reasoner's first thought is read as a closed set (``moragent.first_thought="closed"``)
+with a bias towards "no call" chosen per adapter on BFCL's dev split (items issue 19's subsets never
+select; ``python -m morse_jax.run.no_call_calibration``, README): on that split the closed thought
+with its bias averaged 50.7 for MoR against 34.7 for the generated thought. The MoR ablations use
+MoR's bias (not calibrated separately).
 """
 
 from morse_jax.config.defaults import get_config as defaults
 from morse_jax.config.variants import apply_agent_variant, variant_dir
+
+NO_CALL_BIAS = {"mor": 3.7169, "lora": 4.3626}
 
 
 def get_config(variant="mor"):
@@ -41,5 +49,9 @@ def get_config(variant="mor"):
     m.checkpoint_every = 10
     m.eval_subset = ("simple_python:50", "multiple:25", "parallel:25", "irrelevance:25")
     m.eval_batch = 8
+    m.first_thought = "closed"
+    # selected on the dev split (72 items: simple_python 24, multiple 12, parallel 12, irrelevance 24)
+    # from each adapter's checkpoint after the 4 epochs above; never on the scored subset
+    m.no_call_bias = NO_CALL_BIAS["lora" if variant == "lora" else "mor"]
     c.sampler.max_batch = 8
     return apply_agent_variant(c, variant)

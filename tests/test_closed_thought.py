@@ -6,34 +6,24 @@ role loop uses the chosen turn instead of generating one."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import chat_common
+from role_common import CFG, MOR, acting_mor_params, episode_logprob
 
 from morse_jax.config.defaults import get_config
 from morse_jax.config.validate import ConfigError, validate_config
-from morse_jax.models import ModelConfig, init_params
+from morse_jax.models import init_params
 from morse_jax.models.loading import Backbone
-from morse_jax.models.transformer import forward, split_segments
-from morse_jax.mor.adapter import MoRInputs
-from morse_jax.mor.config import MoRConfig
-from morse_jax.mor.params import init_mor_params
+from morse_jax.models.transformer import split_segments
 from morse_jax.run import closed_thought as ct
 from morse_jax.run import role_loop as rl
 from morse_jax.run.continuation_scorer import ContinuationScorer
 from morse_jax.sampling.requests import Completion
-from morse_jax.sft.data import render
 from morse_jax.tasks.bfcl.trajectories import names_thought
 from morse_jax.tasks.trajectories import Trajectory, Turn
-
-CFG = ModelConfig(family="llama", vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
-MOR = MoRConfig(rank=4, n_adapt=2, targets=("q", "v", "o", "down"))
 
 
 @pytest.fixture(scope="module")
@@ -102,24 +92,11 @@ def test_no_call_bias_moves_only_the_count(tok):
     assert flipped.scores == (-1.0, 0.0, -1.0, -1.0, -1.0)  # recorded without the bias
 
 
-def _partial_logprob(frozen, params, traj, text, tok):
-    """log p(every token of the episode + a reasoner turn holding ``text``, up to its last content
-    token), from full logits: the definition."""
-    r = render(dataclasses.replace(traj, turns=traj.turns + (Turn("reasoner", text),)), tok)
-    end = int(np.flatnonzero(r.loss_mask)[-1])  # the end-of-turn token, left out
-    ids = jnp.asarray(r.tokens[None, :end])
-    logits, _ = forward(frozen, CFG, ids, lora=MoRInputs(params, jnp.asarray(r.role_ids[None, :end]), MOR))
-    lp = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
-    return float(sum(lp[t, ids[0, t + 1]] for t in range(end - 1)))
-
-
 def test_choices_follow_the_model_likelihood(tok):
     params = init_params(jax.random.PRNGKey(0), CFG)
     backbone = Backbone(config=CFG, params=params, tokenizer=tok)
     frozen = split_segments(params, MOR.n_adapt)
-    trainable = init_mor_params(jax.random.PRNGKey(3), CFG, MOR)
-    keys = iter(jax.random.split(jax.random.PRNGKey(7), 32))
-    trainable["b"] = {t: 0.5 * jax.random.normal(next(keys), b.shape) for t, b in trainable["b"].items()}
+    trainable = acting_mor_params(3)
     scorer = ContinuationScorer(backbone, MOR)
     start = _start("do it", ["f", "g"])
 
@@ -128,13 +105,14 @@ def test_choices_follow_the_model_likelihood(tok):
 
     heads = [ct.names_head(k) for k in range(ct.MAX_CALLS + 1)]
     got = score(ct._continuations(start, heads, tok))
-    full = [_partial_logprob(frozen, trainable, start, h, tok) for h in heads]
+    full = [episode_logprob(frozen, trainable, start, tok, reasoner_text=h, end_of_turn=False) for h in heads]
     np.testing.assert_allclose(np.subtract(got, got[0]), np.subtract(full, full[0]), atol=3e-4)
     k = int(np.argmax(full))
     names = []
     for _ in range(k):  # each name: the likelier of the two, given the names before it
         prefix = ct.names_head(k) + " " + "".join(n + ", " for n in names)
-        names.append(["f", "g"][int(np.argmax([_partial_logprob(frozen, trainable, start, prefix + n + ",", tok)
+        names.append(["f", "g"][int(np.argmax([episode_logprob(frozen, trainable, start, tok, reasoner_text=prefix + n + ",",
+                                                                   end_of_turn=False)
                                                for n in ("f", "g")]))])
     chosen = ct.choose_first_thoughts([start], score, tok)[0]
     assert (chosen.role, chosen.text) == ("executor" if k else "summarizer", names_thought(names, ["f", "g"]))

@@ -8,49 +8,24 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import chat_common
+from role_common import CFG, MOR, acting_mor_params, episode_logprob
 
-from morse_jax.models import ModelConfig, init_params
+from morse_jax.models import init_params
 from morse_jax.models.loading import Backbone
-from morse_jax.models.transformer import forward, split_segments
-from morse_jax.mor.adapter import MoRInputs
-from morse_jax.mor.config import MoRConfig
-from morse_jax.mor.params import init_mor_params
+from morse_jax.models.transformer import split_segments
 from morse_jax.run import role_loop as rl
 from morse_jax.run.continuation_scorer import ContinuationScorer
 from morse_jax.sampling.requests import Completion
-from morse_jax.sft.data import render
 from morse_jax.tasks.trajectories import Trajectory, Turn
-
-CFG = ModelConfig(family="llama", vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
-MOR = MoRConfig(rank=4, n_adapt=2, targets=("q", "v", "o", "down"))
 
 
 @pytest.fixture(scope="module")
 def tok():
     return chat_common.char_tokenizer()
-
-
-def _trainable(seed):
-    p = init_mor_params(jax.random.PRNGKey(seed), CFG, MOR)
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed + 100), 32))
-    p["b"] = {t: 0.5 * jax.random.normal(next(keys), b.shape) for t, b in p["b"].items()}  # B != 0: the adapter acts
-    return p
-
-
-def _sequence_logprob(frozen, params, traj, tok):
-    """log p(every token of the rendered episode after the first), from full logits: the definition."""
-    r = render(traj, tok)
-    end = int(np.flatnonzero(r.loss_mask)[-1]) + 1
-    ids = jnp.asarray(r.tokens[None, :end])
-    logits, _ = forward(frozen, CFG, ids, lora=MoRInputs(params, jnp.asarray(r.role_ids[None, :end]), MOR))
-    lp = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
-    return float(sum(lp[t, ids[0, t + 1]] for t in range(end - 1)))
 
 
 def test_thought_and_decision_turn():
@@ -66,13 +41,13 @@ def test_scores_are_the_likelihood_of_each_decision_and_the_likelier_wins(tok, s
     params = init_params(jax.random.PRNGKey(0), CFG)
     backbone = Backbone(config=CFG, params=params, tokenizer=tok)
     frozen = split_segments(params, MOR.n_adapt)
-    trainable = _trainable(seed)
+    trainable = acting_mor_params(seed)
     start = Trajectory(turns=(Turn("user", "do f"),), system="S", functions=({"name": "f"},))
     thought = "f fits."
     conts = rl.decision_continuations(start, thought, tok)
     scores = ContinuationScorer(backbone, MOR)(trainable, conts)
-    full = [_sequence_logprob(frozen, trainable, dataclasses.replace(start, turns=start.turns + (
-        Turn("reasoner", rl.decision_turn(thought, role)),)), tok) for role in rl.DECISIONS]
+    full = [episode_logprob(frozen, trainable, start, tok, reasoner_text=rl.decision_turn(thought, role))
+            for role in rl.DECISIONS]
     # the shared prefix has the same probability under both: score differences are likelihood differences
     np.testing.assert_allclose(scores[0] - scores[1], full[0] - full[1], atol=2e-4)
     assert all(s < 0 for s in scores)
@@ -89,7 +64,7 @@ def test_scores_run_under_the_reasoner_group(tok):
     start = Trajectory(turns=(Turn("user", "do f"),), system="S")
     conts = rl.decision_continuations(start, "f fits", tok)
     as_executor = [dataclasses.replace(c, roles=tuple(1 if r == 0 else r for r in c.roles)) for c in conts]
-    trainable = _trainable(1)
+    trainable = acting_mor_params(1)
     assert not np.allclose(scorer(trainable, conts), scorer(trainable, as_executor))
 
 

@@ -31,10 +31,10 @@ import numpy as np
 
 from morse_jax.run.bfcl_eval import read_answers, result_of
 from morse_jax.tasks import bfcl
+from morse_jax.tasks.bfcl.data import IRRELEVANCE  # where no call is the right answer
 from morse_jax.tasks.bfcl.report import COLUMNS, HEADERS
 
 TOL = 1e-6  # margins are float sums of log-probabilities; a bias within TOL of one reaches it
-NO_CALL_CORRECT = ("irrelevance", "live_irrelevance")  # categories where making no call is right
 
 
 def no_call_margin(rec: dict) -> float:
@@ -50,9 +50,9 @@ def with_bias(recs: Sequence[dict], bias: float) -> list[dict]:
     out = []
     for r in recs:
         if "head_logprobs" in r and len(r["head_logprobs"]) > 1 and 0 < no_call_margin(r) <= bias + TOL:
-            r = dict(r, text="", has_call=False, correct=r["category"] in NO_CALL_CORRECT,
-                     error="" if r["category"] in NO_CALL_CORRECT else "no call (no_call_bias)",
-                     error_type="" if r["category"] in NO_CALL_CORRECT else "no_call_bias")
+            r = dict(r, text="", has_call=False, correct=r["category"] in IRRELEVANCE,
+                     error="" if r["category"] in IRRELEVANCE else "no call (no_call_bias)",
+                     error_type="" if r["category"] in IRRELEVANCE else "no_call_bias")
         out.append(r)
     return out
 

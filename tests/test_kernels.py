@@ -48,7 +48,9 @@ def width(request):
 @needs_compiler
 @pytest.mark.parametrize("N,K,B", [(1, 1, 1), (7, 5, 1), (64, 576, 1), (13, 17, 2), (9, 33, 3), (40, 48, 4),
                                    (9, 33, 5), (100, 40, 8), (70, 20, 12), (129, 64, 16), (65, 31, 17),
-                                   (200, 64, 24), (33, 100, 33), (1000, 576, 16)])
+                                   (200, 64, 24), (33, 100, 33), (1000, 576, 16)]
+                         # every tail of the broadcast form's row blocks (up to 8 rows) at 8 and 16 columns
+                         + [(n, 37, b) for b in (8, 16) for n in (*range(1, 16), 64 + 7, 64 + 13)])
 def test_matches_numpy(width, N, K, B):
     rng = np.random.default_rng(N * 1000 + K * 10 + B)
     w = rng.normal(size=(N, K)).astype(np.float32)

@@ -7,8 +7,9 @@
 // XLA's own intra-op thread pool (no second pool competing for the cores).
 //
 //  * B <= 4, "dot" form: one row of W at a time against each column, vectorised along K.
-//  * B >  4, "broadcast" form: 8 rows at a time; each W[n, k] is broadcast against the row
-//    X[k, c0:c0 + C] of a C = 8 or 16 column block, so the accumulators are whole output rows.
+//  * B >  4, "broadcast" form: up to 8 rows at a time (6 with AVX2 at 16 columns); each W[n, k] is
+//    broadcast against the row X[k, c0:c0 + C] of a C = 8 or 16 column block, so the accumulators
+//    are whole output rows.
 //
 // Written with GCC/Clang vector extensions rather than intrinsics, at the width of the target ISA
 // (cpu_common.h: 64 bytes with AVX-512, 32 with AVX/AVX2, 16 otherwise); register blocks are sized
@@ -28,6 +29,12 @@ using morse::load_partial;
 using morse::vf;
 
 namespace {
+
+// Accumulators of the broadcast form: FMA latency (4-5 cycles) x 2 FMA pipes needs ~10 independent
+// chains; AVX2's 16 registers hold 12 plus the two X vectors and a broadcast. With 8 (4 rows x 2
+// vectors at 16 columns) the 2-core AVX2 host ran [1536, 576] x 16 columns in 295 us, with 12 in
+// 164 us (XLA's dot: 250-320); bench/kernel_widths.py.
+constexpr int kBcastAcc = MORSE_VEC_BYTES == 64 ? 16 : MORSE_VEC_BYTES == 32 ? 12 : 8;
 
 // ------------------------------------------------------------------ dot form (B <= 4)
 
@@ -79,7 +86,7 @@ void dot_form(const float* W, const float* xt, float* out, int64_t n0, int64_t n
 template <int C>
 void bcast_rows(const float* W, const float* x, int64_t ldx, float* out, int64_t n0, int64_t n1, int64_t K,
                 int64_t B, int64_t c0, int64_t nc) {
-  constexpr int lanes = std::min(C, kLanes), M = C / lanes, R = std::min(8, kMaxAcc / M);
+  constexpr int lanes = std::min(C, kLanes), M = C / lanes, R = std::min(8, kBcastAcc / M);
   using V = typename morse::Vec<lanes>::type;
   int64_t n = n0;
   auto rows = [&](auto r_const) {
@@ -105,7 +112,17 @@ void bcast_rows(const float* W, const float* x, int64_t ldx, float* out, int64_t
     }
   };
   for (; n + R <= n1; n += R) rows(std::integral_constant<int, R>{});
-  for (; n < n1; ++n) rows(std::integral_constant<int, 1>{});
+  // the last n1 - n < R rows as one block (one row at a time keeps only M accumulator chains)
+  switch (n1 - n) {
+    case 7: if constexpr (R > 7) rows(std::integral_constant<int, 7>{}); break;
+    case 6: if constexpr (R > 6) rows(std::integral_constant<int, 6>{}); break;
+    case 5: if constexpr (R > 5) rows(std::integral_constant<int, 5>{}); break;
+    case 4: if constexpr (R > 4) rows(std::integral_constant<int, 4>{}); break;
+    case 3: if constexpr (R > 3) rows(std::integral_constant<int, 3>{}); break;
+    case 2: if constexpr (R > 2) rows(std::integral_constant<int, 2>{}); break;
+    case 1: rows(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
 }
 
 // ------------------------------------------------------------------ one call

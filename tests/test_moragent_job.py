@@ -85,6 +85,9 @@ def test_derived_adapter_and_sft_settings():
     ({"moragent.heldout_examples": 300}, "config.moragent.heldout_examples: 300 leaves no training example"),
     ({"moragent.train_data": "/no/such.jsonl"}, "config.moragent.train_data: /no/such.jsonl is not 'synthetic'"),
     ({"moragent.lr": 0.0}, "config.moragent.lr: must be > 0, got 0.0"),
+    ({"moragent.live_examples": -1}, "config.moragent.live_examples: must be >= 0, got -1"),
+    ({"moragent.train_data": "bfcl_live", "moragent.eval_subset": ("simple_python:5", "live_simple:5")},
+     "config.moragent.eval_subset: live_simple would score items of the categories"),
     ({"system": "other"}, "config.system: must be one of ('morse', 'moragent'), got 'other'"),
 ])
 def test_config_errors_are_one_line_naming_the_field(override, message):

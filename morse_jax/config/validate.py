@@ -12,6 +12,8 @@ from morse_jax.config.variants import AGENT_VARIANTS, VARIANTS
 
 SYSTEMS = ("morse", "moragent")
 AGENT_MODES = ("train", "eval")
+# moragent.train_data values that name a built-in source rather than a JSON Lines file
+GENERATED_DATA = ("synthetic", "bfcl_live")
 
 
 class ConfigError(ValueError):
@@ -216,14 +218,14 @@ def _validate_moragent(cfg, *, check_paths: bool) -> None:
     _choice(cfg, "moragent.thought", THOUGHT_STYLES)
     _choice(cfg, "moragent.eval_split", SPLITS)
     _choice(cfg, "moragent.first_thought", ("generate", "closed"))  # run.role_loop.FIRST_THOUGHTS (a layer above)
-    if m.first_thought == "closed" and m.train_data == "synthetic" and m.thought != "names":
+    if m.first_thought == "closed" and m.train_data in GENERATED_DATA and m.thought != "names":
         raise ConfigError(f"config.moragent.first_thought: 'closed' reads the \"names\" template, but the reasoner is "
                           f"trained on moragent.thought={m.thought!r}")
     _positive(cfg, "moragent.rank", "moragent.epochs", "moragent.batch_size", "moragent.micro_batch",
               "moragent.checkpoint_every", "moragent.eval_batch", "moragent.direct_max_new_tokens",
               "moragent.max_turns", "moragent.reasoner_max_new_tokens", "moragent.executor_max_new_tokens",
               "moragent.summarizer_max_new_tokens", "moragent.synthetic_examples", "moragent.max_len")
-    for name in ("n_adapt", "lora_rank", "heldout_examples"):
+    for name in ("n_adapt", "lora_rank", "heldout_examples", "live_examples"):
         if m[name] < 0:
             raise ConfigError(f"config.moragent.{name}: must be >= 0, got {m[name]}")
     for name in ("balance_weight", "orth_weight", "scale"):
@@ -240,11 +242,15 @@ def _validate_moragent(cfg, *, check_paths: bool) -> None:
         raise ConfigError(f"config.moragent.heldout_examples: {m.heldout_examples} leaves no training example of "
                           f"config.moragent.synthetic_examples={m.synthetic_examples}")
     try:
-        parse_subset(tuple(m.eval_subset))
+        subset = parse_subset(tuple(m.eval_subset))
     except ValueError as e:
         raise ConfigError(f"config.moragent.eval_subset: {e}") from e
+    live = [c for c, _ in subset if c.startswith("live_")]
+    if m.train_data == "bfcl_live" and live and AGENT_VARIANTS[cfg.variant].trains:
+        raise ConfigError(f"config.moragent.eval_subset: {', '.join(live)} would score items of the categories "
+                          "moragent.train_data='bfcl_live' trains on; evaluate on non-live categories")
     _model_path(cfg, check_paths)
-    if check_paths and m.train_data != "synthetic" and AGENT_VARIANTS[cfg.variant].trains:
+    if check_paths and m.train_data not in GENERATED_DATA and AGENT_VARIANTS[cfg.variant].trains:
         if not Path(m.train_data).expanduser().is_file():
-            raise ConfigError(f"config.moragent.train_data: {m.train_data} is not 'synthetic' or an existing "
-                              "JSON Lines file")
+            raise ConfigError(f"config.moragent.train_data: {m.train_data} is not 'synthetic', 'bfcl_live' or an "
+                              "existing JSON Lines file")

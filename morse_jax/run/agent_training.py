@@ -5,7 +5,9 @@
   of a prefill chunk and each generated token runs under its role's group.
 * The data: ``moragent.train_data`` = "synthetic" (``tasks.bfcl.synthetic``'s leakage-free
   function-calling records, converted to multi-role trajectories by the rule-based converter;
-  the last ``moragent.heldout_examples`` are held out) or a JSON Lines file in the multi-role
+  the last ``moragent.heldout_examples`` are held out), "bfcl_live" (BFCL's live categories,
+  ``tasks.bfcl.live_records``: items offering a function named in the scored non-live
+  categories left out; shuffled, the first ``moragent.live_examples`` kept) or a JSON Lines file in the multi-role
   format (its last ``heldout_examples`` records held out); rendered with the backbone's chat
   template (``sft.data.render``).
 * SFT: ``sft.trainer.SFTTrainer`` with MoR's objective (``mor.objective.sft_loss``: role CE +
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import random
 from typing import Any
 
 import jax
@@ -35,6 +38,7 @@ from morse_jax.sft.batching import BucketedData
 from morse_jax.sft.data import render
 from morse_jax.sft.state import SFTState, make_optimizer
 from morse_jax.sft.trainer import SFTTrainer
+from morse_jax.tasks.bfcl.live_records import live_records
 from morse_jax.tasks.bfcl.synthetic import generate as generate_records
 from morse_jax.tasks.bfcl.trajectories import from_function_calling
 from morse_jax.tasks.trajectories import Trajectory, load_jsonl
@@ -67,6 +71,14 @@ def training_trajectories(cfg) -> tuple[list[Trajectory], list[Trajectory]]:
     if m.train_data == "synthetic":
         trajs = [from_function_calling(r, thought=m.thought)
                  for r in generate_records(m.synthetic_examples, seed=cfg.seed)]
+    elif m.train_data == "bfcl_live":
+        records, _ = live_records()
+        # BFCL lists them category by category: shuffle (seeded) so the held-out tail and a capped
+        # sample mix the categories
+        random.Random(cfg.seed).shuffle(records)
+        if m.live_examples:
+            records = records[:m.live_examples]
+        trajs = [from_function_calling(r, thought=m.thought) for r in records]
     else:
         trajs, _ = load_jsonl(m.train_data)
     n_held = min(m.heldout_examples, max(len(trajs) - 1, 0))

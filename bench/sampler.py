@@ -45,6 +45,9 @@ jobs):
     2026-12-03, A    39.3 vs 13.5 2.91x 121.2 vs 34.7 3.50x 281.5 vs 76.0 3.70x  (first kernels)
     2026-12-03, B    46.5 vs 12.2 3.80x 107.1 vs 32.7 3.28x 296.0 vs 84.2 3.51x  (sequential W)
     2026-12-03, C    50.3 vs 12.5 4.03x 102.2 vs 27.7 3.69x 300.0 vs 81.1 3.70x  (quiet machine)
+    2026-12-07, AVX2 41.8 vs 11.7 3.58x 111.4 vs 25.6 4.35x 230.1 vs 57.1 4.03x  (2-core EPYC without
+                     AVX-512, quiet; 12-accumulator broadcast matmul, prefetching attention; before
+                     those two changes, same machine: batch 16 176.5 vs 63.5 2.78x)
     end-to-end (B)   39.7 vs 11.9 3.34x  76.9 vs 29.9 2.57x 150.1 vs 66.0 2.27x
     end-to-end (C)   42.8 vs 12.0 3.57x  71.3 vs 25.8 2.76x 138.5 vs 62.8 2.20x
   The kernels, A/B with --ours-only (ms/step, batch 1 / batch 16, cache 384):

@@ -1,5 +1,5 @@
-"""Tests for morse_jax.kernels: the native CPU matmul and decode attention against numpy, and the
-build rules.
+"""Tests for morse_jax.kernels: the native CPU matmul, decode attention and top-k against numpy, and
+the build rules.
 
 The kernel has three code paths (dot form for 1-4 columns, 8- and 16-wide broadcast blocks,
 partial blocks copied and padded) and row/K tails; the shapes below reach each of them. The SIMD
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from morse_jax.kernels import KernelBuildError, decode_attention, ensure_registered, matmul_cols, native, \
+from morse_jax.kernels import KernelBuildError, decode_attention, ensure_registered, matmul_cols, native, top_k, \
     unavailable_reason
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None
@@ -147,7 +147,7 @@ def isa_vec_bytes() -> int | None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("name", ["cpu_matmul", "decode_attention"])
+@pytest.mark.parametrize("name", ["cpu_matmul", "decode_attention", "topk"])
 def test_vector_width_follows_the_isa_or_the_switch(name):
     """The default build uses the ISA's widest vectors (AVX-512F: 64 bytes, AVX/AVX2: 32, else 16);
     a forced width is what the library was compiled with."""
@@ -229,3 +229,66 @@ def test_attention_rejects_bad_operands():
         decode_attention(q, k, v[:, :8], m, 1.0)
     with pytest.raises(ValueError, match="multiple of B"):
         decode_attention(q, k, v, jnp.ones((3, 16), bool), 1.0)
+
+
+# --------------------------------------------------------------------------- top-k
+
+
+def top_k_reference(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """From the definition: per row, the k entries first in IEEE total order descending (NaN above
+    +inf, +0 above -0), equal entries by the lower index."""
+    def total_order(v: np.float32) -> int:
+        b = int(np.array(v, np.float32).view(np.uint32))
+        return (b ^ 0xFFFFFFFF) if b & 0x80000000 else (b | 0x80000000)
+
+    ids = np.array([sorted(range(x.shape[1]), key=lambda i: (-total_order(row[i]), i))[:k] for row in x], np.int32)
+    return np.take_along_axis(x, ids, axis=1), ids
+
+
+def logits_like(rng, B, V):
+    """A peaked head over a normal bulk, like a language model's logits at temperature 0.7."""
+    x = rng.normal(size=(B, V)).astype(np.float32) * 2.5
+    x[np.arange(B)[:, None], rng.integers(0, V, size=(B, 5))] += 12.0
+    return x
+
+
+@needs_compiler
+@pytest.mark.parametrize("B,V,k", [(16, 4096, 256), (3, 1000, 7), (2, 63, 63), (4, 65, 10), (1, 200, 1),
+                                   (2, 129, 3), (1, 70, 2)])
+def test_top_k_matches_the_definition_and_lax(width, B, V, k):
+    """Row lengths off the 64-entry blocks, k above the number of blocks (V = 63, 65, 129 with k
+    3 or 10: the whole-row path), k = 1."""
+    x = logits_like(np.random.default_rng(V + k), B, V)
+    vals, ids = jax.jit(lambda x: top_k(x, k, vec_bytes=width))(x)
+    want_vals, want_ids = top_k_reference(x, k)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_array_equal(np.asarray(vals), want_vals)
+    lax_vals, lax_ids = jax.lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(lax_ids))
+
+
+@needs_compiler
+def test_top_k_ties_signed_zeros_infinities_and_nan(width):
+    """Exact ties at the k-th place go to the lower indices; +0 ranks above -0; a row with a NaN
+    puts it first; -inf rows and a lone finite value."""
+    rng = np.random.default_rng(1)
+    tied = np.round(rng.normal(size=(2, 3000))).astype(np.float32)  # many equal values, -0.0 among them
+    zeros = np.tile(np.array([0.0, -0.0, 1.0, -0.0, 0.0, -1.0], np.float32), (1, 50))
+    special = rng.normal(size=(2, 3000)).astype(np.float32)
+    special[0, 17], special[1, 3], special[1, 9] = np.nan, np.inf, -np.inf
+    lone = np.full((1, 640), -np.inf, np.float32)
+    lone[0, 100] = 1.0
+    for x, k in [(tied, 300), (tied, 1), (zeros, 200), (special, 50), (lone, 64)]:
+        vals, ids = jax.jit(lambda x: top_k(x, k, vec_bytes=width))(x)
+        want_vals, want_ids = top_k_reference(x, k)
+        np.testing.assert_array_equal(np.asarray(ids), want_ids)
+        np.testing.assert_array_equal(np.asarray(vals), want_vals)  # (NaN == NaN for this assertion)
+
+
+def test_top_k_rejects_bad_operands():
+    with pytest.raises(ValueError, match="float32"):
+        top_k(jnp.ones((2, 8), jnp.bfloat16), 2)
+    with pytest.raises(ValueError, match="float32"):
+        top_k(jnp.ones((8,)), 2)
+    with pytest.raises(ValueError, match="k must be"):
+        top_k(jnp.ones((2, 8)), 9)

@@ -534,6 +534,25 @@ def test_select_tokens_returns_temperature_one_logprobs():
     assert int(tok[2]) == int(jnp.argmax(logits[2]))
 
 
+def test_native_top_k_selects_the_same_tokens():
+    """``native_top_k`` (the sampler's setting with the CPU kernels) changes how the candidates are
+    found, not which: the same tokens and log-probs as ``lax.top_k`` for every row setting, at a
+    vocabulary large enough for the kernel's block path, with exact ties among the logits."""
+    if unavailable_reason() is not None:
+        pytest.skip(f"native kernels not built here: {unavailable_reason()}")
+    rng = np.random.default_rng(6)
+    logits = np.round(rng.normal(size=(6, 5000)) * 8).astype(np.float32) / 4  # many exact ties
+    t, k, p = (jnp.array([0.7, 1.3, 0.0, 1.0, 0.9, 1.0]), jnp.array([0, 5, 0, 0, 40, 0]),
+               jnp.array([0.95, 1.0, 1.0, 0.5, 0.8, 1.0]))
+    keys = jax.random.split(jax.random.PRNGKey(9), 6)
+    for step in range(20):
+        draw = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
+        a = jax.jit(functools.partial(select_tokens, native_top_k=False))(draw, logits, t, k, p)
+        b = jax.jit(functools.partial(select_tokens, native_top_k=True))(draw, logits, t, k, p)
+        np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+        np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
 def test_truncated_logits_keeps_at_least_one_candidate():
     logits = jnp.array([[5.0, 1.0, 0.0, -1.0]])
     cand, ids = jax.jit(truncated_logits, static_argnames="k_cap")(

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import jax
 
-from morse_jax.kernels import cpu_matmul, decode_attention as _attention
+from morse_jax.kernels import cpu_matmul, decode_attention as _attention, topk as _topk
 from morse_jax.kernels.cpu_matmul import matmul_cols
 from morse_jax.kernels.decode_attention import decode_attention
 from morse_jax.kernels.native import KernelBuildError
+from morse_jax.kernels.topk import top_k
 
 
 def ensure_registered(vec_bytes: int | None = None) -> None:
@@ -19,6 +20,7 @@ def ensure_registered(vec_bytes: int | None = None) -> None:
     ``vec_bytes``: a build forced to that SIMD width (see ``native``), registered alongside."""
     cpu_matmul.ensure_registered(vec_bytes)
     _attention.ensure_registered(vec_bytes)
+    _topk.ensure_registered(vec_bytes)
 
 
 def unavailable_reason() -> str | None:
@@ -32,4 +34,4 @@ def unavailable_reason() -> str | None:
     return None
 
 
-__all__ = ["KernelBuildError", "decode_attention", "ensure_registered", "matmul_cols", "unavailable_reason"]
+__all__ = ["KernelBuildError", "decode_attention", "ensure_registered", "matmul_cols", "top_k", "unavailable_reason"]

@@ -62,9 +62,9 @@ class LoopConfig:
 
     cfg: the backbone's config. spec: the expert bank's layout (None: no adapters).
     decode_path: "fused" or "model". lora_compose: "auto", "gather" or "onehot".
-    capture_layer: layer whose input residual is returned (None: none). native: decode steps on
-    the native CPU kernels. k_cap: top-k candidates for top-p. barrier: the optimization barrier
-    around top-k in token selection (off under a mesh: see ``select_tokens``). cache_dtype: KV
+    capture_layer: layer whose input residual is returned (None: none). native: decode steps
+    (and their token selection's top-k) on the native CPU kernels. k_cap: top-k candidates for
+    top-p. barrier: the optimization barrier around top-k in token selection (off under a mesh: see ``select_tokens``). cache_dtype: KV
     cache dtype (None: the params' dtype). role_adapter: a :class:`RoleAdapter` (then ``bank`` is
     its parameters and the role ids of ``PromptBatch.roles`` / ``ExpertSlots.roles`` choose each
     token's adapter), or None. prefill_min_rows: see :func:`prefill_chunk_sizes`.
@@ -223,7 +223,7 @@ def decode(lc: LoopConfig, params, bank, state: SamplingState, experts: ExpertSl
     def body(s):
         draw = jax.vmap(jax.random.fold_in)(s.key, s.n_gen)  # row's key, its token index
         tok, lp = select_tokens(draw, s.logits, settings.temperature, settings.top_k, settings.top_p,
-                                k_cap=lc.k_cap, barrier=lc.barrier)
+                                k_cap=lc.k_cap, barrier=lc.barrier, native_top_k=lc.native)
         s, active = record_tokens(s, s.key, tok, lp, settings)
         out = _step(lc, params, tok, active, s.pos, s.cache, lora, rope)
         states = s.states

@@ -20,6 +20,7 @@ import pytest
 
 from morse_jax.kernels import KernelBuildError, decode_attention, ensure_registered, matmul_cols, native, top_k, \
     unavailable_reason
+from morse_jax.models.decode import tile_keys
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None
                                     and shutil.which("clang++") is None, reason="no C++ compiler on this machine")
@@ -198,7 +199,8 @@ def test_attention_matches_numpy(width, B, K, G, D, S):
         mask[b, rng.integers(lo, hi, size=S // 10)] = False
         mask[b, hi - 1] = True
     scale = 2.0 / np.sqrt(D)
-    got = np.asarray(jax.jit(lambda *a: decode_attention(*a, scale, vec_bytes=width))(q, keys, values, mask))
+    got = np.asarray(jax.jit(lambda *a: decode_attention(*a, scale, vec_bytes=width))(q, tile_keys(keys), values,
+                                                                                     mask))
     np.testing.assert_allclose(got, attention_reference(q, keys, values, mask, scale), rtol=0, atol=2e-6)
 
 
@@ -213,14 +215,19 @@ def test_attention_ignores_masked_slots_and_zeroes_empty_rows(width):
     mask = np.zeros((2, 24), bool)
     mask[0, 3:10] = True
     keys[:2, :, 10:], values[:2, 10:], keys[:2, :, :3], values[:2, :3] = np.nan, np.nan, 1e30, 1e30
-    got = np.asarray(jax.jit(lambda *a: decode_attention(*a, 0.25, vec_bytes=width))(q, keys, values, mask))
+    got = np.asarray(jax.jit(lambda *a: decode_attention(*a, 0.25, vec_bytes=width))(q, tile_keys(keys), values,
+                                                                                    mask))
     np.testing.assert_allclose(got[:2], attention_reference(q[:2], keys[:2, :, 3:10], values[:2, 3:10],
                                                             mask[:1, 3:10], 0.25), atol=2e-6)
     assert not got[2:].any()
 
 
 def test_attention_rejects_bad_operands():
-    q, k, v, m = jnp.ones((4, 2, 8)), jnp.ones((4, 8, 16)), jnp.ones((4, 16, 8)), jnp.ones((2, 16), bool)
+    q, k, v, m = jnp.ones((4, 2, 8)), jnp.ones((4, 1, 8, 16)), jnp.ones((4, 16, 8)), jnp.ones((2, 16), bool)
+    with pytest.raises(ValueError, match="T a multiple of 16"):
+        decode_attention(q, jnp.ones((4, 8, 16)), v, m, 1.0)  # the untiled [N, D, S]
+    with pytest.raises(ValueError, match="T a multiple of 16"):
+        decode_attention(q, jnp.ones((4, 2, 8, 8)), v, m, 1.0)
     with pytest.raises(ValueError, match="float32"):
         decode_attention(q.astype(jnp.bfloat16), k, v, m, 1.0)
     with pytest.raises(ValueError, match="bool mask"):

@@ -20,7 +20,8 @@ from scipy import stats
 from morse_jax.kernels import probe, unavailable_reason
 from morse_jax.models import Backbone, ModelConfig, RopeSpec, forward, init_params, split_segments
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, init_expert_bank
-from morse_jax.models.decode import decode_params, forward_cached, init_decode_cache, positions_from_valid
+from morse_jax.models.decode import (decode_params, forward_cached, init_decode_cache, positions_from_valid, tile_keys,
+                                     untile_keys)
 from morse_jax.sampling import loop
 from morse_jax.sampling.state import ExpertSlots, PromptBatch
 from morse_jax.sampling.sampler import Completion, Request, Sampler, SamplerConfig, _cached_sampler, generate
@@ -412,7 +413,7 @@ def test_chunked_prefill_reads_only_the_filled_prefix(family):
     run = jax.jit(lambda dp, tok, val, pos, cache: forward_cached(dp, cfg, tok, val, pos, cache, None, last_only=False))
     cache, outs = init_decode_cache(cfg, B, S), []
     for idx in range(0, P, T):
-        cache = {**cache, "k": tuple(k.at[:, :, idx + T:].set(np.nan) for k in cache["k"]),
+        cache = {**cache, "k": tuple(tile_keys(untile_keys(k).at[:, :, idx + T:].set(np.nan)) for k in cache["k"]),
                  "v": tuple(v.at[:, idx + T:].set(np.nan) for v in cache["v"])}
         logits, cache = run(dp, tokens[:, idx:idx + T], valid[:, idx:idx + T], positions[:, idx:idx + T], cache)
         outs.append(np.asarray(logits))
@@ -449,7 +450,7 @@ def test_prefill_skips_the_padding_before_the_longest_prompt(tiny):
     assert out.pos.tolist() == list(lens) and int(out.cache["index"]) == end
     first = end - max(lens)
     for k in out.cache["k"]:
-        k = np.asarray(k)
+        k = np.asarray(untile_keys(k, P + 8))  # [B*K, D, S]
         assert not k[..., :first].any()  # never written
         assert np.abs(k[..., first:end]).min(axis=(0, 1)).all()  # every worked slot written
     right = np.zeros((B, P), np.int32)

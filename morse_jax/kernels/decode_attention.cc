@@ -2,14 +2,18 @@
 // layer's cache, float32, with the layouts of morse_jax/sampling/decode.py:
 //
 //   q     [N, G, D]   N = B * K (batch rows x kv heads), G query heads per kv head
-//   keys  [N, D, S]   S cache slots (slots advance with positions within a row)
+//   keys  [N, S/T, D, T]  S cache slots in tiles of T (slots advance with positions within a
+//                     row; the last tile zero-padded): a tile's row d holds dimension d of T slots
 //   vals  [N, S, D]
 //   mask  [B, S]      bool, True where slot s may be attended (valid, causal, sliding window)
 //   out   [N, G, D]   softmax(scale * q . k over valid slots) . v
 //
 // XLA runs this as per-(b, k) multiply-reduce fusions over all S slots (bench/sampler.py); here
 // each group reads its keys and values once, only up to its last valid slot (a cache bucket
-// of 384 holding 200-330 tokens), with the G query heads sharing every load.
+// of 384 holding 200-330 tokens), with the G query heads sharing every load. In tiles, the keys
+// a group reads are one contiguous stream (with keys [N, D, S], D rows of stride S interleaved:
+// 30 layers at batch 16 on an AVX2 host, 16-17 ms -> 13.5-14.5 with the tiles and the value
+// prefetch below).
 //
 // A row with no valid slot (a padding row) gets zeros; XLA's softmax over all-masked scores
 // gives the mean value there. Neither is ever read: such rows are inactive.
@@ -29,10 +33,21 @@ namespace {
 // (4 x 4 with AVX-512's 32 registers, 4 x 2 with 16), so kBlock is 64 slots with AVX-512.
 constexpr int kVecs = morse::kMaxAcc / 4;
 constexpr int64_t kBlock = int64_t{kVecs} * kLanes;  // lanes per register block
-// Key rows (head-dim entries) per pass over the slots: each is one stream through the cache. On
-// the AVX-512 host 64 was best (8: 1.4x slower); on the AVX2 one, 32 read 1.2x faster than 64
-// (30 layers at batch 16, 264 of 384 slots filled: scores 7.3 vs 8.7 ms).
-constexpr int kRows = MORSE_VEC_BYTES == 64 ? 64 : 32;
+// Key rows (head-dim entries) per pass over the slots: a pass reads kRows rows of every tile, so
+// with D <= kRows one pass reads the tiles whole, in order (on the AVX-512 host, with the untiled
+// layout, 8 rows per pass were 1.4x slower than 64: the scores are reloaded on every pass).
+constexpr int kRows = 64;
+
+// Value lines fetched ahead while the scores are computed: the value pass that follows then
+// finds them in cache. One line per key row read, in order.
+struct Prefetch {
+  const float* next;
+  const float* end;
+  void step() {
+    if (next < end) __builtin_prefetch(next);
+    next += 64 / sizeof(float);
+  }
+};
 
 // Loads lanes [s, s + n) of a row into kVecs vectors (n <= kBlock; missing lanes zero).
 inline void load_block(const float* p, int64_t n, vf out[kVecs]) {
@@ -49,12 +64,13 @@ inline void store_block(float* p, int64_t n, const vf in[kVecs]) {
   }
 }
 
-// scores[g, s] (+)= sum_{d in [d0, d0 + rows)} q[g, d] * keys[d, s] for g in [g0, g0 + GB), s < hi;
-// q is pre-scaled. GB x kVecs independent accumulators: the FMAs pipeline instead of waiting on one
+// scores[g, s] (+)= sum_{d in [d0, d0 + rows)} q[g, d] * key[s][d] for g in [g0, g0 + GB), s < hi;
+// q is pre-scaled; keys in tiles of T slots (T a multiple of kLanes: no vector straddles two
+// tiles). GB x kVecs independent accumulators: the FMAs pipeline instead of waiting on one
 // another, and every key vector loaded serves all GB heads.
 template <int GB>
 void scores_block(const float* q, const float* keys, float* scores, int64_t ld, int64_t g0, int64_t d0, int rows,
-                  int64_t D, int64_t S, int64_t hi) {
+                  int64_t D, int64_t T, int64_t hi, Prefetch& pf) {
   for (int64_t s0 = 0; s0 < hi; s0 += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, hi - s0);
     vf acc[GB][kVecs];
@@ -66,12 +82,13 @@ void scores_block(const float* q, const float* keys, float* scores, int64_t ld, 
       }
     }
     for (int r = 0; r < rows; ++r) {
-      // the same row's line four blocks ahead: kRows interleaved row streams are more than the
-      // hardware prefetcher follows (AVX2 host, scores of 30 layers: 8.7 -> 7.3 ms; 1, 2, 8 or
-      // 16 blocks ahead were no better)
-      __builtin_prefetch(keys + (d0 + r) * S + s0 + 4 * kBlock);
+      pf.step();
       vf k[kVecs];
-      load_block(keys + (d0 + r) * S + s0, n, k);
+      for (int j = 0; j < kVecs; ++j) {
+        const int64_t s = s0 + kLanes * j, m = std::clamp<int64_t>(n - kLanes * j, 0, kLanes);
+        const float* p = keys + (s / T) * D * T + (d0 + r) * T + s % T;
+        k[j] = m == kLanes ? morse::load<vf>(p) : m > 0 ? morse::load_partial<vf>(p, m) : vf{};
+      }
       for (int g = 0; g < GB; ++g) {
         const float qd = q[(g0 + g) * D + d0 + r];
         for (int j = 0; j < kVecs; ++j) acc[g][j] += k[j] * qd;
@@ -81,18 +98,17 @@ void scores_block(const float* q, const float* keys, float* scores, int64_t ld, 
   }
 }
 
-// scores [G, hi] (row stride ld) = q . keys over head-dim blocks of kRows rows (kRows sequential
-// key streams).
-void scores_rows(const float* q, const float* keys, float* scores, int64_t ld, int64_t G, int64_t D, int64_t S,
-                 int64_t hi) {
+// scores [G, hi] (row stride ld) = q . keys over head-dim blocks of kRows rows.
+void scores_rows(const float* q, const float* keys, float* scores, int64_t ld, int64_t G, int64_t D, int64_t T,
+                 int64_t hi, Prefetch& pf) {
   for (int64_t d0 = 0; d0 < D; d0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, D - d0));
     int64_t g0 = 0;
-    for (; g0 + 4 <= G; g0 += 4) scores_block<4>(q, keys, scores, ld, g0, d0, rows, D, S, hi);
+    for (; g0 + 4 <= G; g0 += 4) scores_block<4>(q, keys, scores, ld, g0, d0, rows, D, T, hi, pf);
     switch (G - g0) {
-      case 3: scores_block<3>(q, keys, scores, ld, g0, d0, rows, D, S, hi); break;
-      case 2: scores_block<2>(q, keys, scores, ld, g0, d0, rows, D, S, hi); break;
-      case 1: scores_block<1>(q, keys, scores, ld, g0, d0, rows, D, S, hi); break;
+      case 3: scores_block<3>(q, keys, scores, ld, g0, d0, rows, D, T, hi, pf); break;
+      case 2: scores_block<2>(q, keys, scores, ld, g0, d0, rows, D, T, hi, pf); break;
+      case 1: scores_block<1>(q, keys, scores, ld, g0, d0, rows, D, T, hi, pf); break;
       default: break;
     }
   }
@@ -168,13 +184,19 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
                          ffi::Buffer<ffi::F32> vals, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
                          float scale) {
   const auto qd = q.dimensions(), kd = keys.dimensions(), vd = vals.dimensions(), md = mask.dimensions();
-  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || md.size() != 2) {
-    return ffi::Error::InvalidArgument("morse_decode_attention: expects q [N,G,D], keys [N,D,S], vals [N,S,D], mask [B,S]");
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 3 || md.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "morse_decode_attention: expects q [N,G,D], keys [N,S/T,D,T], vals [N,S,D], mask [B,S]");
   }
-  const int64_t N = qd[0], G = qd[1], D = qd[2], S = kd[2], B = md[0];
-  if (kd[0] != N || kd[1] != D || vd[0] != N || vd[1] != S || vd[2] != D || md[1] != S || B == 0 || N % B != 0) {
+  const int64_t N = qd[0], G = qd[1], D = qd[2], S = vd[1], T = kd[3], B = md[0];
+  if (kd[0] != N || kd[2] != D || kd[1] * T < S || vd[0] != N || vd[2] != D || md[1] != S || B == 0 ||
+      N % B != 0) {
     return ffi::Error::InvalidArgument("morse_decode_attention: inconsistent shapes");
   }
+  if (T % 16 != 0) {  // whole vectors per tile at every width (16 lanes with AVX-512)
+    return ffi::Error::InvalidArgument("morse_decode_attention: the key tile must be a multiple of 16 slots");
+  }
+  const int64_t key_stride = kd[1] * D * T;
   const int64_t K = N / B;
   const float* qp = q.typed_data();
   const float* kp = keys.typed_data();
@@ -199,7 +221,8 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     thread_local std::vector<float> qs;  // q * scale
     qs.resize(G * D);
     for (int64_t i = 0; i < G * D; ++i) qs[i] = qp[n * G * D + i] * scale;
-    scores_rows(qs.data(), kp + n * D * S, scores.data(), h16, G, D, S, hi);
+    Prefetch pf{vp + n * S * D, vp + n * S * D + hi * D};
+    scores_rows(qs.data(), kp + n * key_stride, scores.data(), h16, G, D, T, hi, pf);
     for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + g * h16, bias.data(), hi);
     values_rows(scores.data(), h16, vp + n * S * D, o, G, D, hi);
   });

@@ -29,7 +29,8 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
     """Attention of one new token per row.
 
     Args:
-      q: float32[B*K, G, D] (G query heads per kv head). keys: float32[B*K, D, S].
+      q: float32[B*K, G, D] (G query heads per kv head). keys: float32[B*K, S/T, D, T]: the slots
+        in tiles of T (a multiple of 16; ``models.decode.tile_keys``), the last tile padded.
       values: float32[B*K, S, D]. mask: bool[B, S], True where a slot may be attended.
       scale: the score scale (1/sqrt(D) for most models).
     Returns:
@@ -40,9 +41,12 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
     """
     N, G, D = q.shape
     B, S = mask.shape
-    if keys.shape != (N, D, S) or values.shape != (N, S, D) or B == 0 or N % B:
-        raise ValueError(f"decode_attention: expects q [N, G, D], keys [N, D, S], values [N, S, D], mask [B, S] "
-                         f"with N a multiple of B; got {q.shape}, {keys.shape}, {values.shape}, {mask.shape}")
+    tiled = keys.ndim == 4 and keys.shape[0] == N and keys.shape[2] == D and keys.shape[3] % 16 == 0 \
+        and keys.shape[1] == -(-S // max(keys.shape[3], 1))
+    if not tiled or values.shape != (N, S, D) or B == 0 or N % B:
+        raise ValueError(f"decode_attention: expects q [N, G, D], keys [N, S/T, D, T] (T a multiple of 16), "
+                         f"values [N, S, D], mask [B, S] with N a multiple of B; got {q.shape}, {keys.shape}, "
+                         f"{values.shape}, {mask.shape}")
     if any(x.dtype != jnp.float32 for x in (q, keys, values)) or mask.dtype != jnp.bool_:
         raise ValueError(f"decode_attention: float32 q/keys/values and a bool mask, got "
                          f"{q.dtype}, {keys.dtype}, {values.dtype}, {mask.dtype}")

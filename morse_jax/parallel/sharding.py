@@ -221,8 +221,8 @@ def cache_logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
         return ("batch", None)
     if top == "index" or ndim == 0:
         return (None,) * ndim
-    if top in ("k", "v") and ndim == 3:  # decode cache: [B*K, D, S] / [B*K, S, D]
-        return ("batch_kv", None, None)
+    if top in ("k", "v") and ndim in (3, 4):  # decode cache: keys [B*K, S/T, D, T], values [B*K, S, D]
+        return ("batch_kv",) + (None,) * (ndim - 1)
     if top == "layers":  # model cache: [(L,) B, S, K, D]
         rule = ("batch", None, "kv_heads", None)
         return (None, *rule) if ndim == 5 else rule if ndim == 4 else (None,) * ndim

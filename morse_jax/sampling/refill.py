@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from morse_jax.models.decode import tile_keys, untile_keys
 from morse_jax.sampling.finish import completions, mark_stop_strings
 from morse_jax.sampling.loop import LoopConfig, empty_cache
 from morse_jax.sampling.requests import (
@@ -77,19 +78,30 @@ def empty_state(lc: LoopConfig, params, key: jax.Array, *, rows: int, cache_len:
     return initial_state(jax.random.split(key, rows), pre, jnp.ones(rows, bool), new_tokens, **capture)
 
 
+def _shifted(small: jax.Array, S: int, shift: jax.Array, axis: int, dtype) -> jax.Array:
+    """``small`` ([K, ..., Pb] along its slot axis ``axis``) moved ``shift`` slots later into S slots
+    (slots it does not reach are zero)."""
+    shape = list(small.shape)
+    shape[axis] = S + small.shape[axis]  # room for any shift in [0, S] without dynamic_update_slice clamping it
+    start = [0] * small.ndim
+    start[axis] = shift
+    moved = jax.lax.dynamic_update_slice(jnp.zeros(shape, dtype), small.astype(dtype), start)
+    return jax.lax.slice_in_dim(moved, 0, S, axis=axis)
+
+
 def _put_row(big: jax.Array, small: jax.Array, row: jax.Array, rows: int, shift: jax.Array, axis: int) -> jax.Array:
     """``big`` (a fused cache leaf [rows*K, ..., S] with its slot axis ``axis``) with row ``row``'s
     K sub-rows replaced by ``small`` ([K, ..., Pb], one row) moved ``shift`` slots later; slots
     ``small`` does not reach are zero."""
-    S, Pb = big.shape[axis], small.shape[axis]
-    K = big.shape[0] // rows
-    shape = list(small.shape)
-    shape[axis] = S + Pb  # room for any shift in [0, S] without dynamic_update_slice clamping it
-    start = [0] * small.ndim
-    start[axis] = shift
-    moved = jax.lax.dynamic_update_slice(jnp.zeros(shape, big.dtype), small.astype(big.dtype), start)
-    moved = jax.lax.slice_in_dim(moved, 0, S, axis=axis)
-    return jax.lax.dynamic_update_slice(big, moved, (row * K,) + (0,) * (big.ndim - 1))
+    moved = _shifted(small, big.shape[axis], shift, axis, big.dtype)
+    return jax.lax.dynamic_update_slice(big, moved, (row * (big.shape[0] // rows),) + (0,) * (big.ndim - 1))
+
+
+def _put_key_row(big: jax.Array, small: jax.Array, row: jax.Array, rows: int, shift: jax.Array) -> jax.Array:
+    """:func:`_put_row` for keys in the cache's tiles ([rows*K, S/T, D, T], ``models.decode``): the
+    row is shifted in slot order, then tiled again (one row's keys: a small copy)."""
+    moved = tile_keys(_shifted(untile_keys(small), big.shape[1] * big.shape[3], shift, 2, big.dtype))
+    return jax.lax.dynamic_update_slice(big, moved, (row * (big.shape[0] // rows), 0, 0, 0))
 
 
 def place_row(state: SamplingState, row: jax.Array, pre: PrefillOutput, prompt_end: jax.Array,
@@ -106,7 +118,7 @@ def place_row(state: SamplingState, row: jax.Array, pre: PrefillOutput, prompt_e
     B = state.done.shape[0]
     cache = state.cache
     shift = cache["index"] - prompt_end
-    k = tuple(None if b is None else _put_row(b, s, row, B, shift, 2) for b, s in zip(cache["k"], pre.cache["k"]))
+    k = tuple(None if b is None else _put_key_row(b, s, row, B, shift) for b, s in zip(cache["k"], pre.cache["k"]))
     v = tuple(None if b is None else _put_row(b, s, row, B, shift, 1) for b, s in zip(cache["v"], pre.cache["v"]))
     valid = _put_row(cache["valid"], pre.cache["valid"], row, B, shift, 1)
     states = state.states
@@ -131,8 +143,11 @@ def compact(state: SamplingState, shift: jax.Array) -> SamplingState:
     def roll(a, axis):
         return None if a is None else jnp.roll(a, -shift, axis=axis)
 
+    def roll_keys(a):  # in slot order; slots rolled past S land in padding or invalid slots
+        return None if a is None else tile_keys(roll(untile_keys(a), 2))
+
     valid = roll(cache["valid"], 1) & (jnp.arange(S) < S - shift)[None]
-    return state.replace(cache=dict(cache, k=tuple(roll(a, 2) for a in cache["k"]),
+    return state.replace(cache=dict(cache, k=tuple(roll_keys(a) for a in cache["k"]),
                                     v=tuple(roll(a, 1) for a in cache["v"]), valid=valid,
                                     index=cache["index"] - shift))
 

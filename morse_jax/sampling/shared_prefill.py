@@ -42,7 +42,7 @@ def cache_row_layout(empty_cache_for_rows) -> tuple:
 
     ``empty_cache_for_rows(b)`` builds the cache for b rows (only its shapes are evaluated). Why
     "entries per row": the fused decode layout folds batch and kv heads into one axis
-    ([B*K, D, S]), so a row is a block of K entries there; the model layout has K = 1.
+    (keys [B*K, S/T, D, T]), so a row is a block of K entries there; the model layout has K = 1.
     """
     one = jax.tree.leaves(jax.eval_shape(lambda: empty_cache_for_rows(1)))
     two = jax.tree.leaves(jax.eval_shape(lambda: empty_cache_for_rows(2)))

@@ -48,6 +48,9 @@ jobs):
     2026-12-07, AVX2 41.8 vs 11.7 3.58x 111.4 vs 25.6 4.35x 230.1 vs 57.1 4.03x  (2-core EPYC without
                      AVX-512, quiet; 12-accumulator broadcast matmul, prefetching attention; before
                      those two changes, same machine: batch 16 176.5 vs 63.5 2.78x)
+    2026-12-07, AVX2 44.2 vs 11.7 3.76x 111.9 vs 26.0 4.30x 261.9 vs 66.8 3.92x  (+ native top-k, keys
+                     in tiles of 16 slots; 4 runs: batch 1 3.09-3.88x, batch 16 2.33-4.08x, the low
+                     ones one run disturbed on our side, README "Performance")
     end-to-end (B)   39.7 vs 11.9 3.34x  76.9 vs 29.9 2.57x 150.1 vs 66.0 2.27x
     end-to-end (C)   42.8 vs 12.0 3.57x  71.3 vs 25.8 2.76x 138.5 vs 62.8 2.20x
   The kernels, A/B with --ours-only (ms/step, batch 1 / batch 16, cache 384):

@@ -20,7 +20,7 @@ import pytest
 
 from morse_jax.kernels import KernelBuildError, decode_attention, ensure_registered, matmul_cols, native, top_k, \
     unavailable_reason
-from morse_jax.models.decode import tile_keys
+from morse_jax.models.key_tiles import tile_keys
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None
                                     and shutil.which("clang++") is None, reason="no C++ compiler on this machine")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from morse_jax.models.decode import KEY_TILE, key_tiles, read_key_slots, tile_keys, untile_keys, write_key_slots
+from morse_jax.models.key_tiles import KEY_TILE, key_tiles, read_key_slots, tile_keys, untile_keys, write_key_slots
 
 
 @pytest.mark.parametrize("S", [1, 15, 16, 40, 48, 384])

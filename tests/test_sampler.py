@@ -20,8 +20,8 @@ from scipy import stats
 from morse_jax.kernels import probe, unavailable_reason
 from morse_jax.models import Backbone, ModelConfig, RopeSpec, forward, init_params, split_segments
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora, init_expert_bank
-from morse_jax.models.decode import (decode_params, forward_cached, init_decode_cache, positions_from_valid, tile_keys,
-                                     untile_keys)
+from morse_jax.models.decode import decode_params, forward_cached, init_decode_cache, positions_from_valid
+from morse_jax.models.key_tiles import tile_keys, untile_keys
 from morse_jax.sampling import loop
 from morse_jax.sampling.state import ExpertSlots, PromptBatch
 from morse_jax.sampling.sampler import Completion, Request, Sampler, SamplerConfig, _cached_sampler, generate

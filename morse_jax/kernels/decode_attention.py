@@ -30,7 +30,7 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax
 
     Args:
       q: float32[B*K, G, D] (G query heads per kv head). keys: float32[B*K, S/T, D, T]: the slots
-        in tiles of T (a multiple of 16; ``models.decode.tile_keys``), the last tile padded.
+        in tiles of T (a multiple of 16; ``models.key_tiles.tile_keys``), the last tile padded.
       values: float32[B*K, S, D]. mask: bool[B, S], True where a slot may be attended.
       scale: the score scale (1/sqrt(D) for most models).
     Returns:

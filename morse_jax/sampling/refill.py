@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from morse_jax.models.decode import tile_keys, untile_keys
+from morse_jax.models.key_tiles import tile_keys, untile_keys
 from morse_jax.sampling.finish import completions, mark_stop_strings
 from morse_jax.sampling.loop import LoopConfig, empty_cache
 from morse_jax.sampling.requests import (

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from morse_jax.models.config import ModelConfig
-from morse_jax.models.transformer import forward, init_cache, lm_head
+from morse_jax.models.head_logprobs import head_token_logprobs
+from morse_jax.models.transformer import forward, init_cache
 from morse_jax.mole.experts import ExpertBankSpec, gather_lora
 from morse_jax.rl.batch import SequenceBatch, SharedBatch
 
@@ -107,9 +108,8 @@ def shared_logprobs(frozen, model_cfg: ModelConfig, spec: ExpertBankSpec | None,
 def token_logprobs(frozen, model_cfg: ModelConfig, hidden: jax.Array, targets: jax.Array) -> jax.Array:
     """log softmax(LM head(hidden))[target]: float32[...] for hidden [..., d], targets int32[...].
 
-    Computed as logit[target] - logsumexp(logits): unlike a full log_softmax, no second [..., V]
-    array is written and read back (the head's elementwise passes were ~1/3 of its time on CPU).
+    ``models.head_logprobs``: logit[target] - logsumexp over chunks of positions, and under
+    differentiation the closed-form gradient w.r.t. ``hidden`` computed next to it, so the
+    [..., V] logits are neither kept for the backward pass nor materialised whole.
     """
-    logits = lm_head(frozen, model_cfg, hidden)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+    return head_token_logprobs(frozen, model_cfg, hidden, targets)

@@ -25,9 +25,13 @@ micro-batches (8 rows), same behaviour log-probs and advantages. Two variants, b
 and the authors' code); ``torch:generated`` runs the LM head on the completion positions only
 (what TRL's ``logits_to_keep`` buys). Both banks have non-zero B, so the adapters do real work.
 
-All sides run in one process, interleaved (ours, torch:all, torch:generated, ours, ...), so load
-on the shared machine hits them alike; medians, [min-max], and process CPU seconds per step
-(steadier than wall time when other jobs hold the cores). Compile time (trace + lowering + XLA
+The sides take turns (ours, torch:all, torch:generated, ours, ...), so load on the shared machine
+hits them alike; medians, [min-max], and process CPU seconds per step (steadier than wall time
+when other jobs hold the cores). Each library runs in its own process, as it would for a user:
+transformers runs in a child process that steps on request (``--peer-in-process``: in ours, as
+before 2026-12-07). In one process the two runtimes slowed each other: after a torch step our
+update's kernel time for first-touching its fresh temporary buffers (~1M page faults per
+update) rose from ~3 to 6-12 CPU-s, and torch's steps were slower too. Compile time (trace + lowering + XLA
 compile of everything the first update builds, from jax.monitoring) is reported separately and
 never counted in the step time.
 
@@ -122,6 +126,8 @@ def parse_args(argv=None):
                          "every position (model(...).logits, as a plain PEFT loop does), 'generated' = over the "
                          "completion positions only (hidden states gathered first; what TRL's logits_to_keep buys)")
     ap.add_argument("--ours-only", action="store_true")
+    ap.add_argument("--peer-in-process", action="store_true",
+                    help="run transformers in this process (default: in a child process of its own)")
     ap.add_argument("--no-recompute", action="store_true",
                     help="skip 'ours:recompute' (the update running all layers instead of starting from the "
                          "sampler's prefix states)")
@@ -262,7 +268,9 @@ class TorchPeer:
         return out
 
     def step(self, batches, logits_at: str) -> dict:
-        """One update over the padded micro-batches (``SequenceBatch``es from ``pad_sequences``)."""
+        """One update over the padded micro-batches (``SequenceBatch``es from ``pad_sequences``, or
+        any objects with their numpy fields: tokens, valid, targets, target_mask, old_logp,
+        advantages)."""
         torch, c = self.torch, self.tcfg
         self.opt.zero_grad(set_to_none=True)
         total, nll, ntok = 0.0, 0.0, 0.0
@@ -286,6 +294,56 @@ class TorchPeer:
             torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         self.opt.step()
         return {"lora_loss": total, "token_nll": nll / max(ntok, 1.0)}
+
+
+def peer_fields(batch):
+    """The numpy fields ``TorchPeer.step`` reads, as a plain namespace (pickles without jax)."""
+    import types
+
+    return types.SimpleNamespace(**{k: np.asarray(getattr(batch, k)) for k in
+                                    ("tokens", "valid", "targets", "target_mask", "old_logp", "advantages")})
+
+
+def _peer_main(conn, path: str, tcfg) -> None:
+    """Child process: load the peer, then answer ("step", batches, variant) with
+    (metrics, wall s, process CPU s) until ("stop",)."""
+    peer = TorchPeer(Path(path), tcfg)
+    conn.send((peer.load_s, peer.threads))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        _, batches, variant = msg
+        t, c = time.perf_counter(), time.process_time()
+        m = peer.step(batches, variant)
+        conn.send((m, time.perf_counter() - t, time.process_time() - c))
+
+
+class PeerProcess:
+    """``TorchPeer`` in a child process of its own (spawned: no jax/XLA state inherited).
+    ``step`` returns (metrics, wall s, CPU s) as measured inside the child."""
+
+    def __init__(self, path: Path, tcfg):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        import types
+
+        # the hyper-parameters the peer reads, as plain values (the child never imports jax)
+        hp = types.SimpleNamespace(**{k: getattr(tcfg, k) for k in
+                                      ("lora_lr", "weight_decay", "ppo_eps", "ppo_eps_high", "max_grad_norm")})
+        self.proc = ctx.Process(target=_peer_main, args=(child, str(path), hp), daemon=True)
+        self.proc.start()
+        self.load_s, self.threads = self.conn.recv()
+
+    def step(self, batches, variant: str):
+        self.conn.send(("step", batches, variant))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(("stop",))
+        self.proc.join(timeout=30)
 
 
 # --------------------------------------------------------------------------- main
@@ -334,12 +392,15 @@ def main(argv=None) -> int:
 
     theirs, batches = None, None
     if not args.ours_only:
-        theirs = TorchPeer(path, tcfg)
+        theirs = TorchPeer(path, tcfg) if args.peer_in_process else PeerProcess(path, tcfg)
         # the peer gets the flat layout (whole prompt + completion per row), same micro-batches
-        batches = [pad_sequences(seqs[i:i + tcfg.micro_batch], rows=min(tcfg.micro_batch, len(seqs) - i),
-                                 length_buckets=tcfg.length_buckets, max_active=tcfg.max_active, scale=1.0 / groups)
+        batches = [peer_fields(pad_sequences(seqs[i:i + tcfg.micro_batch], rows=min(tcfg.micro_batch, len(seqs) - i),
+                                             length_buckets=tcfg.length_buckets, max_active=tcfg.max_active,
+                                             scale=1.0 / groups))
                    for i in range(0, len(seqs), tcfg.micro_batch)]
-        print(f"# transformers: loaded in {theirs.load_s:.1f} s, torch threads {theirs.threads}", flush=True)
+        where = "this process" if args.peer_in_process else f"child process {theirs.proc.pid}"
+        print(f"# transformers: loaded in {theirs.load_s:.1f} s, torch threads {theirs.threads}, in {where}",
+              flush=True)
 
     def run_ours():
         nonlocal trainable, opt_state
@@ -378,8 +439,10 @@ def main(argv=None) -> int:
                 _, w, c = clock(run_ours)
             elif side == "ours:recompute":
                 _, w, c = clock(run_recompute)
-            else:
+            elif args.peer_in_process:
                 m_th[side], w, c = clock(lambda: theirs.step(batches, side.split(":")[1]))
+            else:  # wall and CPU seconds as the child measured them
+                m_th[side], w, c = theirs.step(batches, side.split(":")[1])
             wall[side].append(w)
             cpu[side].append(c)
         print("#   rep: " + ", ".join(f"{k} {1e3 * wall[k][-1]:.0f} ms" for k in sides)
@@ -399,6 +462,8 @@ def main(argv=None) -> int:
                                            f"{med(cpu[side]) / med(cpu['ours']):.2f}x cpu (>1: ours faster)")
         print(f"  {side:16s} {1e3 * med(wall[side]):8.0f} [{1e3 * min(wall[side]):.0f}-{1e3 * max(wall[side]):.0f}]"
               f"  cpu {med(cpu[side]):6.1f}{ratio}", flush=True)
+    if isinstance(theirs, PeerProcess):
+        theirs.close()
     return 0
 
 

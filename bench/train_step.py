@@ -49,6 +49,20 @@ Measured on this machine (2 shared cores), starting from the sampler's prefix st
   against the TRL-style loop with the shared prompt of an HGRPO group (the bench's default,
   what every update sees); with a distinct prompt per candidate the TRL-style loop is 1.4x.
 
+On the AVX2-only host (2026-12-07; no AVX-512; shared prompt, --reps 3 --no-recompute; wall
+median [min-max] / process CPU s per step; ratio = theirs / ours by wall):
+
+  code, peer placement                       ours                  torch:all      torch:generated
+  74aed7e (before), peer in-process (x2)     13.9 / 13.6 s         2.35x / 2.37x  1.79x / 1.67x
+  74aed7e, same process, rerun today         14.3 s [11.6-15.1]    2.18x          1.70x
+  74aed7e, peer in its own process           11.7 s [10.2-12.8]    2.38x          1.56x (18.2 s)
+  bb85333 (head_logprobs), own process       9.8 s [8.9-10.1]/18.8 2.89x          2.28x (22.4 s)
+  bb85333, peer in-process                   9.3 s [8.9-11.9]/18.0 2.93x          1.97x (18.4 s)
+  bb85333, own process, second run           8.8 s [8.5-8.9]/16.9  2.82x          2.12x (18.6 s)
+  The peer's own times swing 16.5-25.7 s between runs; ours alone (one process, no torch) ran
+  8.9-12.6 s at 74aed7e (five runs) and 9.9-12.1 s at bb85333 (two runs, alternated with two of them), so the head change
+  shows in the bench (fewer page faults next to torch) more than alone.
+
 Before prefix states (whole model in the update; 2 shared cores, other jobs kept the load at 2-5):
 
                                       ours          torch:all           torch:generated

@@ -59,6 +59,7 @@ median [min-max] / process CPU s per step; ratio = theirs / ours by wall):
   bb85333 (head_logprobs), own process       9.8 s [8.9-10.1]/18.8 2.89x          2.28x (22.4 s)
   bb85333, peer in-process                   9.3 s [8.9-11.9]/18.0 2.93x          1.97x (18.4 s)
   bb85333, own process, second run           8.8 s [8.5-8.9]/16.9  2.82x          2.12x (18.6 s)
+  9bb7f3a (same update code), own process    10.1 s [9.5-11.0]/19.1 3.12x         2.27x (22.9 s)
   The peer's own times swing 16.5-25.7 s between runs; ours alone (one process, no torch) ran
   8.9-12.6 s at 74aed7e (five runs) and 9.9-12.1 s at bb85333 (two runs, alternated with two of them), so the head change
   shows in the bench (fewer page faults next to torch) more than alone.

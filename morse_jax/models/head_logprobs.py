@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from morse_jax.models.config import ModelConfig
+from morse_jax.models.layers import soft_cap
 
 # Logits per chunk: 2**24 float32 = 64 MiB (256 positions of a 49152-token vocabulary)
 CHUNK_LOGITS = 1 << 24
@@ -68,8 +69,7 @@ def head_token_logprobs(params: dict, cfg: ModelConfig, hidden: jax.Array, targe
 def _logits(h: jax.Array, head: jax.Array, tied: bool, cap: float) -> jax.Array:
     """[c, d] -> float32 [c, V]: the product in the operands' dtype (as ``lm_head``), then capped."""
     z = jnp.einsum("cd,vd->cv", h, head) if tied else jnp.einsum("cd,dv->cv", h, head)  # [c, V]
-    z = z.astype(jnp.float32)
-    return jnp.tanh(z / cap) * cap if cap else z
+    return soft_cap(z.astype(jnp.float32), cap)
 
 
 def _chunk_logprobs(h: jax.Array, t: jax.Array, head: jax.Array, tied: bool, cap: float) -> jax.Array:

@@ -20,7 +20,7 @@ import pytest
 
 from morse_jax.kernels import KernelBuildError, decode_attention, ensure_registered, matmul_cols, native, top_k, \
     unavailable_reason
-from morse_jax.models.key_tiles import tile_keys
+from morse_jax.models.key_tiles import KEY_TILE, tile_keys
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None
                                     and shutil.which("clang++") is None, reason="no C++ compiler on this machine")
@@ -220,6 +220,32 @@ def test_attention_ignores_masked_slots_and_zeroes_empty_rows(width):
     np.testing.assert_allclose(got[:2], attention_reference(q[:2], keys[:2, :, 3:10], values[:2, 3:10],
                                                             mask[:1, 3:10], 0.25), atol=2e-6)
     assert not got[2:].any()
+
+
+@needs_compiler
+def test_attention_skips_whole_tiles_before_the_first_valid_slot(width):
+    """A row whose first valid slot lies past whole key tiles (left padding, a refilled slot)
+    never reads those tiles (NaN there stays out), and its output is bitwise what the same row
+    gives with those tiles cut off the cache (same lanes, exact zeros added)."""
+    T = KEY_TILE
+    rng = np.random.default_rng(1)
+    B, K, G, D, S = 3, 2, 3, 24, 5 * T
+    q = rng.normal(size=(B * K, G, D)).astype(np.float32)
+    keys = rng.normal(size=(B * K, D, S)).astype(np.float32)
+    values = rng.normal(size=(B * K, S, D)).astype(np.float32)
+    mask = np.zeros((B, S), bool)
+    firsts = (2 * T + 3, 2 * T, T - 1)  # inside tile 2, at its start, inside tile 0
+    for b, first in enumerate(firsts):
+        mask[b, first:S - 4] = True
+    run = jax.jit(lambda *a: decode_attention(*a, 0.5, vec_bytes=width))
+    skipped = 2 * T  # whole tiles before row 0's and row 1's first valid slot
+    keys[:2 * K, :, :skipped], values[:2 * K, :skipped] = np.nan, np.nan
+    got = np.asarray(run(q, tile_keys(keys), values, mask))
+    np.testing.assert_allclose(got, attention_reference(np.nan_to_num(q), np.nan_to_num(keys),
+                                                        np.nan_to_num(values), mask, 0.5), rtol=0, atol=2e-6)
+    cut = np.asarray(run(q[:2 * K], tile_keys(keys[:2 * K, :, skipped:]), values[:2 * K, skipped:],
+                         mask[:2, skipped:]))
+    np.testing.assert_array_equal(got[:2 * K], cut)
 
 
 def test_attention_rejects_bad_operands():

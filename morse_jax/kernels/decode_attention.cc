@@ -9,8 +9,8 @@
 //   out   [N, G, D]   softmax(scale * q . k over valid slots) . v
 //
 // XLA runs this as per-(b, k) multiply-reduce fusions over all S slots (bench/sampler.py); here
-// each group reads its keys and values once, only up to its last valid slot (a cache bucket
-// of 384 holding 200-330 tokens), with the G query heads sharing every load. In tiles, the keys
+// each group reads its keys and values once, only from the tile of its first valid slot up to its
+// last valid slot (a cache bucket of 384 holding 200-330 tokens), with the G query heads sharing every load. In tiles, the keys
 // a group reads are one contiguous stream (with keys [N, D, S], D rows of stride S interleaved:
 // 30 layers at batch 16 on an AVX2 host, 16-17 ms -> 13.5-14.5 with the tiles and the value
 // prefetch below).
@@ -212,19 +212,28 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       std::fill(o, o + G * D, 0.f);
       return;
     }
+    // Nor the whole tiles before the first valid slot: a row's left padding, the slots a refilled
+    // row (sampling/refill.py) never wrote, the keys a sliding window has passed. They add exact
+    // zeros to the softmax sums and the value sums, and lo is a multiple of T (of 16 lanes), so
+    // every slot keeps its lane: the output is bitwise the same as reading from slot 0.
+    int64_t lo = 0;
+    while (!m[lo]) ++lo;  // hi > 0: some slot is valid
+    lo -= lo % T;
+    const int64_t w = hi - lo;  // slots read: [lo, hi)
     // Rows padded to 16 lanes so the softmax runs on whole vectors; padding lanes get bias -inf.
-    const int64_t h16 = (hi + 15) & ~int64_t{15};
+    const int64_t w16 = (w + 15) & ~int64_t{15};
     thread_local std::vector<float> scores, bias;
-    scores.assign(G * h16, 0.f);
-    bias.resize(h16);
-    for (int64_t s = 0; s < h16; ++s) bias[s] = s < hi && m[s] ? 0.f : -INFINITY;
+    scores.assign(G * w16, 0.f);
+    bias.resize(w16);
+    for (int64_t s = 0; s < w16; ++s) bias[s] = s < w && m[lo + s] ? 0.f : -INFINITY;
     thread_local std::vector<float> qs;  // q * scale
     qs.resize(G * D);
     for (int64_t i = 0; i < G * D; ++i) qs[i] = qp[n * G * D + i] * scale;
-    Prefetch pf{vp + n * S * D, vp + n * S * D + hi * D};
-    scores_rows(qs.data(), kp + n * key_stride, scores.data(), h16, G, D, T, hi, pf);
-    for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + g * h16, bias.data(), hi);
-    values_rows(scores.data(), h16, vp + n * S * D, o, G, D, hi);
+    const float* v = vp + (n * S + lo) * D;
+    Prefetch pf{v, v + w * D};
+    scores_rows(qs.data(), kp + n * key_stride + (lo / T) * D * T, scores.data(), w16, G, D, T, w, pf);
+    for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + g * w16, bias.data(), w);
+    values_rows(scores.data(), w16, v, o, G, D, w);
   });
   return ffi::Error::Success();
 }

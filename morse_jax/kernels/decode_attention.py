@@ -2,7 +2,7 @@
 
 ``decode_attention(q, keys, values, mask, scale)`` computes, for every (batch row, kv head)
 group, ``softmax(scale * q . k)`` over the slots ``mask`` allows and the weighted sum of the
-values, in float32, reading each group's cache once and only up to its last valid slot. The
+values, in float32, reading each group's cache once and only over the key tiles from its first to its last valid slot. The
 layouts are :mod:`morse_jax.models.decode`'s. No logit soft-capping (Gemma 2's attention
 cap): callers keep XLA's path for such models. Generation only: no autodiff, CPU, unsharded.
 """

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -310,6 +311,23 @@ def test_fork_bomb_is_contained():
     assert _host_procs_with(marker) == []
     # the host can still spawn processes
     assert subprocess.run(["true"], check=False).returncode == 0
+
+
+def test_output_of_an_exited_child_is_read_even_past_the_drain_deadline():
+    """What an exited child left in its pipes is read even when the drain starts past its
+    deadline (the reading thread descheduled under load). Before the fix the drain gave up
+    unread and the run came back ok with its output missing (CI: one of
+    test_many_concurrent_runs_keep_order's 50 runs had an empty stdout)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdout.write('o' * 50000 + 'END'); "
+                             "sys.stderr.write('e' * 3000)"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.wait()  # exited: all its output sits in the pipes, unread
+    pump = sandbox_process._Pump(proc, None, 100_000)
+    try:
+        pump.drain(time.monotonic() - 1.0)
+        assert pump.text("stdout") == "o" * 50000 + "END"
+        assert pump.text("stderr") == "e" * 3000
+    finally:
+        pump.close()
 
 
 @needs_bwrap

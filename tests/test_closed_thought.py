@@ -104,7 +104,7 @@ def test_choices_follow_the_model_likelihood(tok):
         return scorer(trainable, conts)
 
     heads = [ct.names_head(k) for k in range(ct.MAX_CALLS + 1)]
-    got = score(ct._continuations(start, heads, tok))
+    got = score(ct.candidate_continuations(start, heads, tok))
     full = [episode_logprob(frozen, trainable, start, tok, reasoner_text=h, end_of_turn=False) for h in heads]
     np.testing.assert_allclose(np.subtract(got, got[0]), np.subtract(full, full[0]), atol=3e-4)
     k = int(np.argmax(full))

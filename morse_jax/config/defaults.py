@@ -219,6 +219,11 @@ def moragent_defaults() -> ml_collections.ConfigDict:
     # preference; > 0 leans to no call). Select it on a dev split (the answers file records each
     # item's head log-probabilities), never on the categories the report scores
     m.no_call_bias = 0.0
+    # the executor's turn: generate (written by the model) | guided (the calls the reasoner's "names"
+    # thought decided, each parameter name a closed-set choice among the schema's parameters not yet
+    # written, ")" only once every required one is, the values generated; run.guided_calls). guided
+    # needs a reasoner trained on "names" thoughts; an episode whose thought is not one is generated
+    m.executor = "generate"
     m.reasoner_max_new_tokens = 96
     m.executor_max_new_tokens = 128
     m.summarizer_max_new_tokens = 64

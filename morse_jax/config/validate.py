@@ -218,9 +218,11 @@ def _validate_moragent(cfg, *, check_paths: bool) -> None:
     _choice(cfg, "moragent.thought", THOUGHT_STYLES)
     _choice(cfg, "moragent.eval_split", SPLITS)
     _choice(cfg, "moragent.first_thought", ("generate", "closed"))  # run.role_loop.FIRST_THOUGHTS (a layer above)
-    if m.first_thought == "closed" and m.train_data in GENERATED_DATA and m.thought != "names":
-        raise ConfigError(f"config.moragent.first_thought: 'closed' reads the \"names\" template, but the reasoner is "
-                          f"trained on moragent.thought={m.thought!r}")
+    _choice(cfg, "moragent.executor", ("generate", "guided"))  # run.role_loop.EXECUTORS
+    for field, value in (("first_thought", "closed"), ("executor", "guided")):
+        if m[field] == value and m.train_data in GENERATED_DATA and m.thought != "names":
+            raise ConfigError(f"config.moragent.{field}: {value!r} reads the \"names\" template, but the reasoner is "
+                              f"trained on moragent.thought={m.thought!r}")
     _positive(cfg, "moragent.rank", "moragent.epochs", "moragent.batch_size", "moragent.micro_batch",
               "moragent.checkpoint_every", "moragent.eval_batch", "moragent.direct_max_new_tokens",
               "moragent.max_turns", "moragent.reasoner_max_new_tokens", "moragent.executor_max_new_tokens",

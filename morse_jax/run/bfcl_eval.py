@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 from morse_jax.models.chat import encode_chat
 from morse_jax.run.closed_thought import choose_first_thoughts
+from morse_jax.run.guided_calls import write_calls
 from morse_jax.run.role_loop import RoleLoopConfig, ScoreFn, executor_text, run_role_loop
 from morse_jax.sampling.requests import Completion, Request
 from morse_jax.tasks import bfcl
@@ -140,7 +141,8 @@ def answer_roles(generate: GenerateFn, tokenizer, config: RoleLoopConfig, *, sto
     turn's text (BFCL scores its calls; no executor turn = no call). BFCL v4 ships no executable
     functions, so nothing is executed: the episode ends after the executor's turn (there is no
     observation to feed back). score: the role loop's decision scoring (``RoleLoopConfig.role_choice``;
-    with ``first_thought="closed"`` also the choice of the first thought, ``run.closed_thought``)."""
+    with ``first_thought="closed"`` also the choice of the first thought, ``run.closed_thought``;
+    with ``executor="guided"`` also the executor's parameter choices, ``run.guided_calls``)."""
     config = dataclasses.replace(config, stop_after_executor=True)
     choose_first = None
     if config.first_thought == "closed":
@@ -148,10 +150,17 @@ def answer_roles(generate: GenerateFn, tokenizer, config: RoleLoopConfig, *, sto
             raise ValueError("answer_roles: first_thought='closed' needs a score function")
         choose_first = functools.partial(choose_first_thoughts, score=score, tokenizer=tokenizer,
                                          no_call_bias=config.no_call_bias)
+    write_executor = None
+    if config.executor == "guided":
+        if score is None:
+            raise ValueError("answer_roles: executor='guided' needs a score function")
+        write_executor = functools.partial(write_calls, generate=generate, score=score, tokenizer=tokenizer,
+                                           stop_token_ids=stop_token_ids)
 
     def answer(items: Sequence[BfclItem]) -> list[Answer]:
         eps = run_role_loop([item_trajectory(it, system) for it in items], generate, tokenizer, config,
-                            stop_token_ids=stop_token_ids, score=score, choose_first=choose_first)
+                            stop_token_ids=stop_token_ids, score=score, choose_first=choose_first,
+                            write_executor=write_executor)
         return [Answer(text=executor_text(e), turns=[(t.role, t.content) for t in e.traj.turns if t.role in ROLE_NAMES],
                        tokens=e.tokens, scores=e.first_scores) for e in eps]
 

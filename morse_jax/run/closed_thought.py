@@ -42,10 +42,10 @@ from morse_jax.tasks.trajectories import Trajectory, Turn
 MAX_CALLS = 4  # the generator writes 1-3 calls; one more lets a model that generalises say so
 
 
-def partial_turn_ids(traj: Trajectory, text: str, tokenizer) -> tuple[list[int], list[int]]:
-    """(token ids, role ids) of ``traj`` followed by a reasoner turn holding ``text``, rendered as
+def partial_turn_ids(traj: Trajectory, text: str, tokenizer, role: str = "reasoner") -> tuple[list[int], list[int]]:
+    """(token ids, role ids) of ``traj`` followed by a ``role`` turn holding ``text``, rendered as
     SFT renders it and cut before that turn's end-of-turn token (the text's last token included)."""
-    r = render(dataclasses.replace(traj, turns=traj.turns + (Turn("reasoner", text),)), tokenizer)
+    r = render(dataclasses.replace(traj, turns=traj.turns + (Turn(role, text),)), tokenizer)
     end = int(np.flatnonzero(r.loss_mask)[-1])  # the closing turn's end-of-turn token (render marks it)
     return r.tokens[:end].tolist(), r.role_ids[:end].tolist()
 
@@ -58,10 +58,12 @@ def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
     return n
 
 
-def _continuations(traj: Trajectory, texts: Sequence[str], tokenizer) -> list[Continuation]:
-    """One continuation per candidate text, all scored from the first token where they differ.
-    Raises ValueError when a candidate's tokens are a prefix of another's (nothing to compare)."""
-    enc = [partial_turn_ids(traj, t, tokenizer) for t in texts]
+def candidate_continuations(traj: Trajectory, texts: Sequence[str], tokenizer,
+                            role: str = "reasoner") -> list[Continuation]:
+    """One continuation per candidate text of a ``role`` turn following ``traj`` (each rendered by
+    :func:`partial_turn_ids`), all scored from the first token where they differ. Raises
+    ValueError when a candidate's tokens end where the shared prefix does (nothing to compare)."""
+    enc = [partial_turn_ids(traj, t, tokenizer, role) for t in texts]
     start = _common_prefix([ids for ids, _ in enc])
     if any(len(ids) <= start for ids, _ in enc):
         raise ValueError(f"closed thought: candidates {list(texts)!r} do not differ after their shared prefix")
@@ -109,7 +111,7 @@ def choose_first_thoughts(trajs: Sequence[Trajectory], score: ScoreFn, tokenizer
         if not todo:
             continue
         cands = [s.candidates() for s in todo]
-        conts = [c for s, texts in zip(todo, cands) for c in _continuations(s.traj, texts, tokenizer)]
+        conts = [c for s, texts in zip(todo, cands) for c in candidate_continuations(s.traj, texts, tokenizer)]
         flat = np.asarray(score(conts), np.float64)
         lo = 0
         for s, texts in zip(todo, cands):

@@ -49,7 +49,7 @@ def loop_config(cfg) -> RoleLoopConfig:
     return RoleLoopConfig(max_turns=m.max_turns, max_new_tokens=(
         ("reasoner", m.reasoner_max_new_tokens), ("executor", m.executor_max_new_tokens),
         ("summarizer", m.summarizer_max_new_tokens)), role_choice=m.role_choice, first_thought=m.first_thought,
-                          no_call_bias=m.no_call_bias)
+                          no_call_bias=m.no_call_bias, executor=m.executor)
 
 
 def eval_settings(cfg, trained_state: str) -> dict:

@@ -44,6 +44,7 @@ _NEXT = re.compile(r"next\s*(?:role)?\s*:\s*(reasoner|executor|summarizer)", re.
 _MARKER = re.compile(r"next\s*(?:role)?\s*:", re.IGNORECASE)
 DECISIONS = ("executor", "summarizer")  # the roles a reasoner can hand over to
 FIRST_THOUGHTS = ("generate", "closed")
+EXECUTORS = ("generate", "guided")
 _CALL = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
 
 
@@ -64,6 +65,9 @@ class RoleLoopConfig:
       reading of the "names" template; later reasoner turns are generated).
     no_call_bias: with first_thought="closed", added to the "no call" choice's log-probability
       (``run.closed_thought``; 0 = the model's own preference).
+    executor: "generate" (the executor writes its turn) | "guided" (a ``write_executor`` function
+      writes it wherever it can, e.g. ``run.guided_calls``' schema-constrained decode of the calls
+      the reasoner's thought named; the other executor turns are generated).
     """
 
     max_turns: int = 4
@@ -73,12 +77,15 @@ class RoleLoopConfig:
     role_choice: str = "likelihood"
     first_thought: str = "generate"
     no_call_bias: float = 0.0
+    executor: str = "generate"
 
     def __post_init__(self):
         if self.role_choice not in ("likelihood", "text"):
             raise ValueError(f"role_choice must be 'likelihood' or 'text', got {self.role_choice!r}")
         if self.first_thought not in FIRST_THOUGHTS:
             raise ValueError(f"first_thought must be one of {FIRST_THOUGHTS}, got {self.first_thought!r}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
 
     def budget(self, role: str) -> int:
         return dict(self.max_new_tokens)[role]
@@ -133,6 +140,9 @@ class ChosenTurn:
 
 # episodes whose first reasoner turn is due -> that turn for each
 ChooseFirstFn = Callable[[Sequence[Trajectory]], Sequence[ChosenTurn]]
+# episodes whose executor turn is due -> (its text, generated tokens) for each, or None where the
+# turn is to be generated
+WriteExecutorFn = Callable[[Sequence[Trajectory]], Sequence["tuple[str, int] | None"]]
 
 
 def decision_continuations(traj: Trajectory, thought: str, tokenizer) -> list[Continuation]:
@@ -201,7 +211,8 @@ class Episode:
 def run_role_loop(starts: Sequence[Trajectory], generate: Callable[[Sequence[Request]], Sequence[Completion]],
                   tokenizer, config: RoleLoopConfig, *, stop_token_ids: Sequence[int] = (),
                   observe: Callable[[str], str] | None = None, score: ScoreFn | None = None,
-                  choose_first: ChooseFirstFn | None = None) -> list[Episode]:
+                  choose_first: ChooseFirstFn | None = None,
+                  write_executor: WriteExecutorFn | None = None) -> list[Episode]:
     """Run the loop on every start (a trajectory holding the request: system, functions, user
     turn(s)) until each episode ends; returns the finished episodes in order.
 
@@ -211,12 +222,16 @@ def run_role_loop(starts: Sequence[Trajectory], generate: Callable[[Sequence[Req
     continuations -> log-probabilities (needed by ``role_choice="likelihood"``; one call per round
     with a reasoner turn, both decisions of every such episode together). choose_first: the
     first reasoner turn of every episode, chosen instead of generated (needed by
-    ``first_thought="closed"``; one call for all episodes before the first round).
+    ``first_thought="closed"``; one call for all episodes before the first round). write_executor:
+    the executor turns it can write, instead of generating them (needed by ``executor="guided"``;
+    one call per round with an executor turn due).
     """
     if config.role_choice == "likelihood" and score is None:
         raise ValueError("run_role_loop: role_choice='likelihood' needs a score function")
     if config.first_thought == "closed" and choose_first is None:
         raise ValueError("run_role_loop: first_thought='closed' needs a choose_first function")
+    if config.executor == "guided" and write_executor is None:
+        raise ValueError("run_role_loop: executor='guided' needs a write_executor function")
     eps = [Episode(traj=s) for s in starts]
     if config.first_thought == "closed" and eps:
         for e, chosen in zip(eps, choose_first([e.traj for e in eps]), strict=True):
@@ -228,24 +243,36 @@ def run_role_loop(starts: Sequence[Trajectory], generate: Callable[[Sequence[Req
         live = [e for e in eps if e.role is not None]
         if not live:
             return eps
+        written = {}  # live index -> (text, tokens) of a written (not generated) executor turn
+        if config.executor == "guided":
+            idx = [i for i, e in enumerate(live) if e.role == "executor"]
+            if idx:
+                outs = write_executor([live[i].traj for i in idx])
+                written = {i: o for i, o in zip(idx, outs, strict=True) if o is not None}
         reqs = []
-        for e in live:
+        for i, e in enumerate(live):
+            if i in written:
+                continue
             ids, roles = turn_prompt(e.traj, e.role, tokenizer)
             reqs.append(Request(prompt_ids=ids, prompt_roles=roles, role=ROLE_NAMES.index(e.role),
                                 max_new_tokens=config.budget(e.role), temperature=config.temperature,
                                 stop_token_ids=tuple(stop_token_ids)))
-        comps = generate(reqs)
-        texts = [c.text.strip() or "(empty)" for c in comps]  # a role turn is never empty (the format requires content)
+        comps = iter(generate(reqs) if reqs else ())
+        turns = []  # (text, generated tokens) per live episode, in order
+        for i in range(len(live)):
+            c = None if i in written else next(comps)
+            turns.append(written[i] if c is None else (c.text, len(c.token_ids)))
+        texts = [t.strip() or "(empty)" for t, _ in turns]  # a role turn is never empty (the format requires content)
         decided = {}
         if config.role_choice == "likelihood":
             idx = [i for i, e in enumerate(live) if e.role == "reasoner"]
             picks = choose_decisions([live[i].traj for i in idx], [texts[i] for i in idx], score, tokenizer)
             decided = dict(zip(idx, picks))
-        for i, (e, c, text) in enumerate(zip(live, comps, texts, strict=True)):
+        for i, (e, (_, n_tokens), text) in enumerate(zip(live, turns, texts, strict=True)):
             if i in decided:
                 text = decided[i][1]
             e.add(Turn(e.role, text))
-            e.tokens += len(c.token_ids)
+            e.tokens += n_tokens
             e.role_turns += 1
             e.role = None if e.role_turns >= config.max_turns else (
                 decided[i][0] if i in decided else _after(e.role, text, config, observe, e))

@@ -7,6 +7,7 @@ the executor turn uses BFCL's call syntax (:func:`~morse_jax.tasks.bfcl.promptin
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -42,6 +43,26 @@ def names_thought(names: Sequence[str], offered: Iterable[str]) -> str:
         return (f"{names_head(0)} None of the available functions ({', '.join(sorted(offered)) or 'none'}) "
                 "can do what the user asks. Next: summarizer.")
     return f"{names_head(len(names))} {', '.join(names)}, with the arguments the request states. Next: executor."
+
+
+_NAMES_THOUGHT = re.compile(r"Plan: (?:call|(\d+) calls:) (.+), with the arguments the request states\. Next: executor\.")
+
+
+def parse_names_thought(text: str, offered: Iterable[str]) -> list[str] | None:
+    """The inverse of :func:`names_thought`: the called names (in order; [] for a no-call thought)
+    of a thought written in the "names" template with names among ``offered``, or None when
+    ``text`` is not such a thought (prose, a count that disagrees with the names, an unknown name)."""
+    text = text.strip()
+    if text.startswith(names_head(0) + " ") and text.endswith("Next: summarizer."):
+        return []
+    m = _NAMES_THOUGHT.fullmatch(text)
+    if m is None:
+        return None
+    names, offered = m.group(2).split(", "), set(offered)
+    count = int(m.group(1)) if m.group(1) else 1
+    if (m.group(1) and count < 2) or len(names) != count or not set(names) <= offered:
+        return None
+    return names
 
 
 def _first_thought(calls: list, offered: set, style: str, v: int) -> str:

@@ -93,7 +93,7 @@ def _model_of(tok, targets, log):
             assert len(r.prompt_roles) == len(r.prompt_ids)
             written = _executor_text(tok, r.prompt_ids)
             target = targets[user_of(r.prompt_ids)]
-            assert target.startswith(written) and written.endswith("="), (written, target)
+            assert target.startswith(written), (written, target)
             rest = target[len(written):]
             out.append(Completion(token_ids=list(tok(rest)["input_ids"]), text=rest, logprobs=np.zeros(0),
                                   finish_reason="eos", prompt_len=len(r.prompt_ids)))
@@ -117,6 +117,37 @@ def test_the_preferred_answer_is_written_exactly(tok):
     out = gc.write_calls(eps, generate=generate, score=score, tokenizer=tok)
     assert [t for t, _ in out] == list(targets.values())
     assert all(n > 0 for _, n in out)
+    # grammatical text is kept as written: nothing scored, one continuation per episode from its
+    # first call's "name(" (a later call's opening is kept when it is the thought's next name)
+    assert "scored" not in log
+    assert sorted(_executor_text(tok, r.prompt_ids) for r in log["requests"]) == ["[f(", "[f(", "[f(", "[k("]
+
+
+def test_positional_and_invented_arguments_become_the_schema_parameters(tok):
+    """A model that writes positional arguments or an unknown name is asked the parameter name
+    (closed set), then writes on."""
+    f = _fn("f", ["number", "base"], ["number"])
+    scored = []
+
+    def score(conts):  # prefers "number" and closing
+        texts = [_executor_text(tok, c.ids) for c in conts]
+        scored.append(texts)
+        return [0.0 if t.endswith(("number=", ")]")) else -1.0 for t in texts]
+
+    def generate(reqs):
+        out = []
+        for r in reqs:
+            written = _executor_text(tok, r.prompt_ids)
+            rest = {"[f(": "5, 10)]", "[f(number=": "5, bse=10)]"}[written]
+            out.append(Completion(token_ids=[0] * len(rest), text=rest, logprobs=np.zeros(0), finish_reason="eos",
+                                  prompt_len=len(r.prompt_ids)))
+        return out
+
+    (text, n), = gc.write_calls([_episode("1", [f], ["f"])], generate=generate, score=score, tokenizer=tok)
+    # "5" where a parameter name is due: scored (no close: number is required) -> number; its
+    # value "5" is kept; "bse" is no parameter: scored among base and the close -> close
+    assert scored == [["[f(number=", "[f(base="], ["[f(number=5, base=", "[f(number=5)]"]]
+    assert (text, n) == ("[f(number=5)]", len("5, 10)]") + len("5, bse=10)]"))
 
 
 def test_candidates_are_the_unwritten_parameters_and_close_once_required_are_written(tok):
@@ -136,7 +167,7 @@ def test_candidates_are_the_unwritten_parameters_and_close_once_required_are_wri
                            prompt_len=len(r.prompt_ids)) for r in reqs]
 
     out = gc.write_calls([_episode("1", [f, g], ["f", "g"])], generate=generate, score=score, tokenizer=tok)
-    assert out == [("[f(a=7, b=7), g()]", 4)]
+    assert out == [("[f(a=7, b=7), g()]", 8)]  # 4 continuations of 2 tokens
     # f: a or b first (no close: b is required); after a=7 only b is left (forced, not scored);
     # after b=7 only the close (forced); g: any parameter or the close, scored as the text that
     # follows it in a training turn (")]" after the last call)
@@ -145,7 +176,7 @@ def test_candidates_are_the_unwritten_parameters_and_close_once_required_are_wri
     # a close before another call is scored with that call's opening
     scored.clear()
     out = gc.write_calls([_episode("1", [g], ["g", "g"])], generate=generate, score=score, tokenizer=tok)
-    assert out == [("[g(), g()]", 0)] and scored[0][-1] == "[g(), g(" and scored[1][-1] == "[g(), g()]"
+    assert out == [("[g(), g()]", 4)] and scored[0][-1] == "[g(), g(" and scored[1][-1] == "[g(), g()]"
 
 
 def test_an_unusable_value_ends_the_call_without_it(tok):
@@ -157,7 +188,7 @@ def test_an_unusable_value_ends_the_call_without_it(tok):
 
     eps = [_episode("1", [f], ["f", "f"])]
     (text, n), = gc.write_calls(eps, generate=generate, score=lambda c: [0.0] * len(c), tokenizer=tok)
-    assert text == "[f(), f()]" and n == 2
+    assert text == "[f(), f()]" and n == 4  # per call: a continuation at "f(", then one at "a="
 
 
 def test_thoughts_that_name_no_call_are_left_to_the_caller(tok):

@@ -3,32 +3,35 @@
 A small model after short SFT makes the reasoner's decision well enough once it is read as a closed
 set (``run.closed_thought``), but its free executor turn loses the call in ways BFCL's checker
 rejects outright: positional arguments (``math.factorial(5)``, dropped by BFCL's decoder), a
-required parameter left out, a parameter name invented. The function schemas fix all of that
-grammar; only the values are the model's to write. Here the executor's turn is
+required parameter left out, a parameter name invented. The function schemas fix that grammar;
+the values are the model's to write. The executor's turn is
 
     [name_1(p=v, ...), name_2(...), ...]
 
-written step by step:
-
 * the calls, their number and order are those the reasoner's "names" thought decided
-  (``tasks.bfcl.trajectories.parse_names_thought``); an episode whose last reasoner turn is not
-  such a thought gets no guided turn (None: the caller generates it freely);
-* each parameter name is a closed-set choice scored by the model under the executor's group
-  (``ScoreFn``): the candidates are the function's parameters not yet written, in schema order,
-  each as ``"p="`` (after ``", "`` when the call has arguments), and the call's close once every
-  required parameter is written (scored as the text that follows it in a training turn, ``")]"``
-  or ``"), <next name>("``: ``")"`` mostly merges with what follows in the tokenizer). So a call
-  never misses a required parameter, never repeats one and never names one its schema lacks, and
-  the model decides which optional ones to pass. A single candidate is not scored;
-* each value is generated (greedy, the executor's group, token healing over the ``=`` so the
-  model tokenizes the boundary as in training) and cut at its first ``,`` or ``)`` outside
-  brackets and string quotes (:func:`leading_value`); a value that is empty or does not parse as
-  a Python expression ends the call without that parameter.
+  (``tasks.bfcl.trajectories.parse_names_thought``); each call's ``name(`` is written for the
+  model. An episode whose last reasoner turn is not such a thought gets no guided turn (None:
+  the caller generates it freely);
+* the model writes the rest greedily (the executor's group; token healing at the boundary, so it
+  tokenizes the text as in training), and its text is kept as long as it follows the grammar:
+  each parameter name one of the call's schema parameters not yet written, as ``p=`` (after
+  ``", "`` when the call has arguments); each value a Python expression, cut at its first ``,``
+  or ``)`` outside brackets and string quotes (:func:`leading_value`); ``)`` only once every
+  required parameter is written;
+* where the model's text leaves the grammar at a parameter name (a positional argument, an
+  invented name, closing early) the step is a closed-set choice scored by the model
+  (``ScoreFn``): the allowed candidates above, the close scored as the text that follows it in a
+  training turn (``")]"`` or ``"), <next name>("``: ``)`` mostly merges with what follows in the
+  tokenizer); a single allowed candidate is taken without scoring. Where a value is empty or not
+  an expression, the call is closed without that parameter (still with its required ones);
+  then the model writes on from the new text.
 
+So a call never drops a required parameter, passes a positional argument, repeats a parameter or
+names one its schema lacks, and where the model's own text is grammatical it is kept as written.
 Candidates are rendered as SFT renders an executor turn (``closed_thought.partial_turn_ids``) and
-scored from the first token where they differ. Cost per episode: one ``score`` row per parameter
-choice with more than one candidate, one generated value per parameter written; every episode
-still writing takes part in each round's one ``score`` call and one ``generate`` call.
+scored from the first token where they differ. Every round, episodes still writing take part in
+one ``score`` call (those at a choice their text left) and one ``generate`` call; a model that
+writes grammatical calls finishes in one round.
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ def leading_value(text: str) -> str | None:
     """The Python expression ``text`` starts with: its text up to the first ``,``, ``)`` or ``]``
     outside brackets and string quotes (all of it when there is none), stripped; None when that is
     empty or not a Python expression (e.g. a string the budget cut before its closing quote)."""
+    return value_span(text)[0]
+
+
+def value_span(text: str) -> tuple[str | None, int]:
+    """(:func:`leading_value` of ``text``, the index where its text ends in ``text``)."""
     depth, quote, i = 0, "", 0
     while i < len(text):
         ch = text[i]
@@ -74,12 +82,12 @@ def leading_value(text: str) -> str | None:
         i += 1
     value = text[:i].strip()
     if not value:
-        return None
+        return None, i
     try:
         ast.parse(value, mode="eval")
     except SyntaxError:
-        return None
-    return value
+        return None, i
+    return value, i
 
 
 @dataclasses.dataclass
@@ -90,7 +98,8 @@ class _Writer:
     calls: list[tuple[str, list[str], set[str]]]  # (name, parameter names in schema order, required ones)
     done: list[str] = dataclasses.field(default_factory=list)  # finished calls' text
     args: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # the current call's (param, value)
-    due: str | None = None  # the parameter whose value is to be generated
+    due: str | None = None  # the parameter whose value is to be written next
+    must_choose: bool = False  # the model's text left the grammar at this choice: score it
     tokens: int = 0
 
     @property
@@ -102,20 +111,20 @@ class _Writer:
         return name + "(" + ", ".join(f"{p}={v}" for p, v in self.args)
 
     def text(self) -> str:
-        """The turn so far (the whole turn once finished)."""
+        """The turn so far, with a due parameter's ``p=`` (the whole turn once finished)."""
         if self.finished:
             return "[" + ", ".join(self.done) + "]"
-        return "[" + "".join(c + ", " for c in self.done) + self._call_so_far()
+        due = "" if self.due is None else (", " if self.args else "") + f"{self.due}="
+        return "[" + "".join(c + ", " for c in self.done) + self._call_so_far() + due
 
     def close_text(self) -> str:
         """What follows a closed call in the turn, up to the next choice: ")]" after the last call,
-        "), <next name>(" otherwise. Scored as the closing candidate's text, so that it is
-        tokenized as in a training turn (where ")" mostly merges with what follows)."""
+        "), <next name>(" otherwise (the closing candidate's scored text)."""
         nxt = len(self.done) + 1
         return ")]" if nxt == len(self.calls) else f"), {self.calls[nxt][0]}("
 
     def candidates(self) -> list[tuple[str, str | None]]:
-        """This step's choices as (text, parameter; CLOSE to close the call)."""
+        """The choices at this point as (text, parameter; CLOSE closes the call)."""
         _, params, required = self.calls[len(self.done)]
         used = {p for p, _ in self.args}
         sep = ", " if self.args else ""
@@ -129,17 +138,48 @@ class _Writer:
         else:
             self.due = param
 
-    def pending(self) -> str:
-        """The turn so far with the due parameter's ``p=`` written."""
-        return self.text() + (", " if self.args else "") + f"{self.due}="
+    def force(self) -> None:
+        """Take every choice that has a single allowed candidate."""
+        while not self.finished and self.due is None:
+            cands = self.candidates()
+            if len(cands) > 1:
+                return
+            self.choose(cands[0][1])
 
-    def put(self, value: str | None) -> None:
-        if value is None:  # nothing usable: end the call without it
-            self.due = None
-            self.choose(CLOSE)
-            return
-        self.args.append((self.due, value))
-        self.due = None
+    def consume(self, text: str) -> bool:
+        """Keep the grammatical part of the model's continuation ``text`` of :meth:`text` (see the
+        module docstring); returns whether the turn moved on. At a choice the text left with
+        several candidates allowed, ``must_choose`` is set."""
+        moved = False
+        while not self.finished:
+            if self.due is not None:  # a value
+                value, end = value_span(text)
+                if value is None:  # nothing usable: close the call without it
+                    self.due = None
+                    self.choose(CLOSE)
+                    return True
+                self.args.append((self.due, value))
+                self.due, text, moved = None, text[end:], True
+                continue
+            cands = self.candidates()
+            match = next(((t, p) for t, p in cands if p is not CLOSE and text.startswith(t)), None)
+            if match is not None:
+                self.choose(match[1])
+                text, moved = text[len(match[0]):], True
+                continue
+            if text.startswith(")") and any(p is CLOSE for _, p in cands):
+                self.choose(CLOSE)
+                moved, opening = True, f", {self.calls[len(self.done)][0]}(" if not self.finished else ""
+                if self.finished or not text[1:].startswith(opening):
+                    return True  # the next call's "name(" is the thought's: write on from there
+                text = text[1 + len(opening):]
+                continue
+            if len(cands) == 1:
+                self.choose(cands[0][1])
+                return True
+            self.must_choose = True
+            return moved
+        return moved
 
 
 def _schema_calls(names: Sequence[str], functions: Sequence[dict]) -> list[tuple[str, list[str], set[str]]]:
@@ -154,10 +194,10 @@ def _schema_calls(names: Sequence[str], functions: Sequence[dict]) -> list[tuple
 
 def write_calls(trajs: Sequence[Trajectory], *, generate: Callable[[Sequence[Request]], Sequence[Completion]],
                 score: ScoreFn, tokenizer, stop_token_ids: Sequence[int] = (),
-                value_tokens: int = 32) -> list[tuple[str, int] | None]:
+                max_new_tokens: int = 128) -> list[tuple[str, int] | None]:
     """The executor turn of each episode ``trajs[i]`` (its last turn the reasoner's), written as the
     module docstring says: ``(text, generated tokens)``, or None when its last reasoner turn is not
-    a "names" thought that names a call. ``value_tokens``: the budget of one generated value."""
+    a "names" thought that names a call. ``max_new_tokens``: the budget of one continuation."""
     writers: list[_Writer | None] = []
     for t in trajs:
         last = next((x.content for x in reversed(t.turns) if x.role == "reasoner"), "")
@@ -166,14 +206,9 @@ def write_calls(trajs: Sequence[Trajectory], *, generate: Callable[[Sequence[Req
         writers.append(_Writer(t, _schema_calls(names, t.functions)) if names else None)
     active = [w for w in writers if w is not None]
     while True:
-        choosing = []
         for w in active:
-            while not w.finished and w.due is None:  # forced steps need no model
-                cands = w.candidates()
-                if len(cands) > 1:
-                    choosing.append((w, cands))
-                    break
-                w.choose(cands[0][1])
+            w.force()
+        choosing = [(w, w.candidates()) for w in active if w.must_choose and not w.finished]
         if choosing:
             conts = [c for w, cands in choosing
                      for c in candidate_continuations(w.traj, [w.text() + t for t, _ in cands], tokenizer, "executor")]
@@ -181,17 +216,18 @@ def write_calls(trajs: Sequence[Trajectory], *, generate: Callable[[Sequence[Req
             lo = 0
             for w, cands in choosing:
                 w.choose(cands[int(np.argmax(flat[lo:lo + len(cands)]))][1])
+                w.must_choose = False
+                w.force()
                 lo += len(cands)
-        valuing = [w for w in active if w.due is not None]
-        if valuing:
-            reqs = []
-            for w in valuing:
-                ids, roles = partial_turn_ids(w.traj, w.pending(), tokenizer, "executor")
-                reqs.append(Request(prompt_ids=ids, prompt_roles=roles, role=EXECUTOR, max_new_tokens=value_tokens,
-                                    temperature=0.0, heal_tokens=1, stop_token_ids=tuple(stop_token_ids)))
-            for w, c in zip(valuing, generate(reqs), strict=True):
-                w.tokens += len(c.token_ids)
-                w.put(leading_value(c.text))  # what follows "p=" (a healed token's re-written "=" is not in it)
-        if not choosing and not valuing:
+        writing = [w for w in active if not w.finished]
+        if not writing:
             break
+        reqs = []
+        for w in writing:
+            ids, roles = partial_turn_ids(w.traj, w.text(), tokenizer, "executor")
+            reqs.append(Request(prompt_ids=ids, prompt_roles=roles, role=EXECUTOR, max_new_tokens=max_new_tokens,
+                                temperature=0.0, heal_tokens=1, stop_token_ids=tuple(stop_token_ids)))
+        for w, c in zip(writing, generate(reqs), strict=True):
+            w.tokens += len(c.token_ids)
+            w.consume(c.text)  # what follows the prompt's text (a healed token's re-written part is not in it)
     return [None if w is None else (w.text(), w.tokens) for w in writers]

@@ -145,14 +145,17 @@ def test_role_loop_uses_the_chosen_first_turn(tok):
         rl.RoleLoopConfig(first_thought="free")
 
 
-def test_config_checks_the_thought_style():
+@pytest.mark.parametrize("field, value", [("first_thought", "closed"), ("executor", "guided")])
+def test_config_checks_the_thought_style(field, value):
+    """Both readings of the "names" template (the closed first thought, the guided executor) need a
+    reasoner trained on it, and take only their known values."""
     c = get_config()
     c.system, c.variant, c.mode = "moragent", "mor", "train"
-    c.moragent.first_thought = "closed"
+    c.moragent[field] = value
     validate_config(c, check_paths=False)
     c.moragent.thought = "plan"
-    with pytest.raises(ConfigError, match="first_thought"):
+    with pytest.raises(ConfigError, match=field):
         validate_config(c, check_paths=False)
-    c.moragent.thought, c.moragent.first_thought = "names", "sometimes"
-    with pytest.raises(ConfigError, match="first_thought"):
+    c.moragent.thought, c.moragent[field] = "names", "sometimes"
+    with pytest.raises(ConfigError, match=field):
         validate_config(c, check_paths=False)

@@ -10,8 +10,6 @@ import pytest
 
 import chat_common
 
-from morse_jax.config.defaults import get_config
-from morse_jax.config.validate import ConfigError, validate_config
 from morse_jax.run import guided_calls as gc
 from morse_jax.run import role_loop as rl
 from morse_jax.sampling.requests import Completion
@@ -262,15 +260,3 @@ def test_role_loop_uses_the_written_executor_turn(tok):
     with pytest.raises(ValueError, match="executor must be one of"):
         rl.RoleLoopConfig(executor="free")
 
-
-def test_config_checks_the_executor():
-    c = get_config()
-    c.system, c.variant, c.mode = "moragent", "mor", "train"
-    c.moragent.executor = "guided"
-    validate_config(c, check_paths=False)
-    c.moragent.thought = "plan"
-    with pytest.raises(ConfigError, match="executor"):
-        validate_config(c, check_paths=False)
-    c.moragent.thought, c.moragent.executor = "names", "schema"
-    with pytest.raises(ConfigError, match="executor"):
-        validate_config(c, check_paths=False)

@@ -45,9 +45,10 @@ lint: install-test
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check morse_jax tests bench configs
 
-# Lint, then the fast default set (`-m 'not slow'` from pyproject), two workers.
+# Lint, then the fast default set (`-m 'not slow'` from pyproject), two workers; the 25 slowest
+# tests are listed at the end (the CI budget is 30 minutes on 2 cores: mark the ones that grow slow).
 test: lint
-	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 -q --durations=25 $(PYTEST_ARGS)
 
 # Everything, including the slow tests (SciCode ground truth, long training checks).
 test-all: lint

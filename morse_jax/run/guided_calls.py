@@ -23,11 +23,12 @@ the values are the model's to write. The executor's turn is
   (``ScoreFn``): the allowed candidates above, the close scored as the text that follows it in a
   training turn (``")]"`` or ``"), <next name>("``: ``)`` mostly merges with what follows in the
   tokenizer); a single allowed candidate is taken without scoring. Where a value is empty or not
-  an expression, the call is closed without that parameter (still with its required ones);
-  then the model writes on from the new text.
+  an expression (greedy decoding would write the same again), the call is closed there, without
+  that parameter or any not yet written; then the model writes on from the new text.
 
-So a call never drops a required parameter, passes a positional argument, repeats a parameter or
-names one its schema lacks, and where the model's own text is grammatical it is kept as written.
+So a call never passes a positional argument, repeats a parameter or names one its schema lacks,
+and drops a required parameter only where the model could not write its value; where the model's
+own text is grammatical it is kept as written.
 Candidates are rendered as SFT renders an executor turn (``closed_thought.partial_turn_ids``) and
 scored from the first token where they differ. Every round, episodes still writing take part in
 one ``score`` call (those at a choice their text left) and one ``generate`` call; a model that

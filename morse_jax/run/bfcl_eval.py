@@ -155,7 +155,7 @@ def answer_roles(generate: GenerateFn, tokenizer, config: RoleLoopConfig, *, sto
         if score is None:
             raise ValueError("answer_roles: executor='guided' needs a score function")
         write_executor = functools.partial(write_calls, generate=generate, score=score, tokenizer=tokenizer,
-                                           stop_token_ids=stop_token_ids)
+                                           stop_token_ids=stop_token_ids, max_new_tokens=config.budget("executor"))
 
     def answer(items: Sequence[BfclItem]) -> list[Answer]:
         eps = run_role_loop([item_trajectory(it, system) for it in items], generate, tokenizer, config,

@@ -147,40 +147,38 @@ class _Writer:
                 return
             self.choose(cands[0][1])
 
-    def consume(self, text: str) -> bool:
+    def consume(self, text: str) -> None:
         """Keep the grammatical part of the model's continuation ``text`` of :meth:`text` (see the
-        module docstring); returns whether the turn moved on. At a choice the text left with
-        several candidates allowed, ``must_choose`` is set."""
-        moved = False
+        module docstring). At a choice the text left with several candidates allowed,
+        ``must_choose`` is set."""
         while not self.finished:
             if self.due is not None:  # a value
                 value, end = value_span(text)
                 if value is None:  # nothing usable: close the call without it
                     self.due = None
                     self.choose(CLOSE)
-                    return True
+                    return
                 self.args.append((self.due, value))
-                self.due, text, moved = None, text[end:], True
+                self.due, text = None, text[end:]
                 continue
             cands = self.candidates()
             match = next(((t, p) for t, p in cands if p is not CLOSE and text.startswith(t)), None)
             if match is not None:
                 self.choose(match[1])
-                text, moved = text[len(match[0]):], True
+                text = text[len(match[0]):]
                 continue
             if text.startswith(")") and any(p is CLOSE for _, p in cands):
                 self.choose(CLOSE)
-                moved, opening = True, f", {self.calls[len(self.done)][0]}(" if not self.finished else ""
+                opening = "" if self.finished else f", {self.calls[len(self.done)][0]}("
                 if self.finished or not text[1:].startswith(opening):
-                    return True  # the next call's "name(" is the thought's: write on from there
+                    return  # the next call's "name(" is the thought's: write on from there
                 text = text[1 + len(opening):]
                 continue
             if len(cands) == 1:
                 self.choose(cands[0][1])
-                return True
+                return
             self.must_choose = True
-            return moved
-        return moved
+            return
 
 
 def _schema_calls(names: Sequence[str], functions: Sequence[dict]) -> list[tuple[str, list[str], set[str]]]:

@@ -60,3 +60,27 @@ def test_irrelevance_records_make_no_call_and_convert(records):
 def test_reference_calls_take_the_first_allowed_value_and_omit_optional():
     gt = [{"f": {"a": [3, 4], "b": ["", "x"], "c": [{"k": ["v", "w"], "o": [""]}]}}, {"g": {}}]
     assert reference_calls(gt) == [{"f": {"a": 3, "c": {"k": "v"}}}, {"g": {}}]
+
+
+def test_mixed_source_holds_both_shuffled_together_with_a_held_out_tail(records):
+    """moragent.train_data="synthetic+bfcl_live": every generated record and the capped live sample,
+    each converted once, in one seeded order (not source after source), the last heldout_examples held out."""
+    from morse_jax.config.defaults import get_config
+    from morse_jax.run.agent_training import training_trajectories
+    from morse_jax.tasks.bfcl.synthetic import generate
+
+    c = get_config()
+    c.system = "moragent"
+    m = c.moragent
+    m.train_data, m.synthetic_examples, m.live_examples, m.heldout_examples = "synthetic+bfcl_live", 40, 30, 10
+    train, held = training_trajectories(c)
+    assert (len(train), len(held)) == (60, 10)
+    ids = [t.id for t in train + held]
+    synthetic = {r["id"] for r in generate(40, seed=c.seed)}
+    live_ids = {r["id"] for r in records[0]}
+    assert len(set(ids)) == 70 and set(ids) >= synthetic
+    assert len(set(ids) - synthetic) == 30 and set(ids) - synthetic <= live_ids
+    # shuffled together: the first 40 are not the generated set, and both sources reach the held-out tail
+    assert set(ids[:40]) != synthetic
+    assert {t.id in synthetic for t in held} == {True, False}
+    assert ids == [t.id for tr in training_trajectories(c) for t in tr]  # deterministic

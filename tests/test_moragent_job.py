@@ -88,6 +88,8 @@ def test_derived_adapter_and_sft_settings():
     ({"moragent.live_examples": -1}, "config.moragent.live_examples: must be >= 0, got -1"),
     ({"moragent.train_data": "bfcl_live", "moragent.eval_subset": ("simple_python:5", "live_simple:5")},
      "config.moragent.eval_subset: live_simple would score items of the categories"),
+    ({"moragent.train_data": "synthetic+bfcl_live", "moragent.eval_subset": ("live_multiple:5",)},
+     "config.moragent.eval_subset: live_multiple would score items of the categories"),
     ({"system": "other"}, "config.system: must be one of ('morse', 'moragent'), got 'other'"),
 ])
 def test_config_errors_are_one_line_naming_the_field(override, message):

@@ -166,10 +166,14 @@ def moragent_defaults() -> ml_collections.ConfigDict:
     # training data: "synthetic" (morse_jax.tasks.bfcl.synthetic, leakage-free, converted to the
     # multi-role format), "bfcl_live" (BFCL's live categories as records, morse_jax.tasks.bfcl.live_records:
     # items offering a function named in a scored non-live category are left out; evaluate on non-live
-    # categories only) or a JSON Lines file in the multi-role format (morse_jax.tasks.trajectories)
+    # categories only), "synthetic+bfcl_live" (both, shuffled together: the generator's call syntax and
+    # multi-call requests next to real requests, irrelevant ones included) or a JSON Lines file in the
+    # multi-role format (morse_jax.tasks.trajectories)
     m.train_data = "synthetic"
-    m.synthetic_examples = 5000  # records generated for "synthetic"
-    m.live_examples = 0  # "bfcl_live": records kept after a seeded shuffle (0 = all 1978), before the max_len filter
+    m.synthetic_examples = 5000  # records generated for "synthetic" (and "synthetic+bfcl_live")
+    # "bfcl_live" (and "synthetic+bfcl_live"): live records kept after a seeded shuffle (0 = all 1978),
+    # before the max_len filter
+    m.live_examples = 0
     m.heldout_examples = 200  # of them (or of the file's records) held out for the per-role held-out loss
     # the reasoner's templated first thought in "synthetic" trajectories: names ("Plan: call f, ...":
     # a fixed opener, function names only) | plan (every call with its arguments, the first design);

@@ -7,7 +7,8 @@
   function-calling records, converted to multi-role trajectories by the rule-based converter;
   the last ``moragent.heldout_examples`` are held out), "bfcl_live" (BFCL's live categories,
   ``tasks.bfcl.live_records``: items offering a function named in the scored non-live
-  categories left out; shuffled, the first ``moragent.live_examples`` kept) or a JSON Lines file in the multi-role
+  categories left out; shuffled, the first ``moragent.live_examples`` kept), "synthetic+bfcl_live"
+  (both, shuffled together) or a JSON Lines file in the multi-role
   format (its last ``heldout_examples`` records held out); rendered with the backbone's chat
   template (``sft.data.render``).
 * SFT: ``sft.trainer.SFTTrainer`` with MoR's objective (``mor.objective.sft_loss``: role CE +
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 
 from morse_jax.checkpoint import Checkpointer
 from morse_jax.config.derived import mor_config, sft_config
+from morse_jax.config.validate import GENERATED_DATA
 from morse_jax.mor.adapter import layer_values
 from morse_jax.mor.config import MoRConfig
 from morse_jax.mor.objective import frozen_prefix, sft_loss
@@ -68,16 +70,19 @@ def build_adapter(cfg, backbone, key: jax.Array) -> tuple[MoRRoleAdapter, dict]:
 def training_trajectories(cfg) -> tuple[list[Trajectory], list[Trajectory]]:
     """(training, held-out) trajectories of ``moragent.train_data``."""
     m = cfg.moragent
-    if m.train_data == "synthetic":
-        trajs = [from_function_calling(r, thought=m.thought)
-                 for r in generate_records(m.synthetic_examples, seed=cfg.seed)]
-    elif m.train_data == "bfcl_live":
-        records, _ = live_records()
-        # BFCL lists them category by category: shuffle (seeded) so the held-out tail and a capped
-        # sample mix the categories
-        random.Random(cfg.seed).shuffle(records)
-        if m.live_examples:
-            records = records[:m.live_examples]
+    if m.train_data in GENERATED_DATA:
+        records = []
+        if m.train_data in ("synthetic", "synthetic+bfcl_live"):
+            records += generate_records(m.synthetic_examples, seed=cfg.seed)
+        if m.train_data in ("bfcl_live", "synthetic+bfcl_live"):
+            live, _ = live_records()
+            # BFCL lists them category by category: shuffle (seeded) so the held-out tail and a capped
+            # sample mix the categories
+            random.Random(cfg.seed).shuffle(live)
+            records += live[:m.live_examples] if m.live_examples else live
+        if m.train_data == "synthetic+bfcl_live":
+            # one seeded shuffle of both sources, so batches and the held-out tail hold both
+            random.Random(cfg.seed + 1).shuffle(records)
         trajs = [from_function_calling(r, thought=m.thought) for r in records]
     else:
         trajs, _ = load_jsonl(m.train_data)

@@ -20,6 +20,7 @@ larger bounds the step), with our fraction of it.
 
 Usage:  python bench/sampler.py [--batches 1,4,16] [--reps 3] [--new 128] [--prompt 200]
         [--ours-only] [--sampler-config "dict(decode_path='model')"]
+        (``--sampler-config "dict(block_weights='off')"``: float32 weights at 1-4 rows too)
         python bench/sampler.py --refill [--requests 64] [--share 4] [--reps 3]
 
 ``--refill``: slot refill (``sampler.refill``) vs static micro-batches, both ours, interleaved,
@@ -176,17 +177,20 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def step_cost(cfg, batch: int, cache_len: int, spec) -> tuple[float, float]:
+def step_cost(cfg, batch: int, cache_len: int, spec, blocks: bool = False) -> tuple[float, float]:
     """(bytes, FLOPs) of one decode step: every weight read once (tied LM head included), the
     first ``cache_len`` slots of the KV cache read, LoRA factors of the active experts; 2 FLOPs
-    per MAC."""
+    per MAC. ``blocks``: the step reads the GGUF's blocks (``sampler.block_weights``): Q4_1
+    projections at 0.75 bytes a weight (16 bytes of nibbles + float32 scale and min per 32), the
+    Q8_0 embedding at 1.125 (32 bytes + a float32 scale per 32)."""
     d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_layer = d * qd + 2 * d * kvd + qd * d + 3 * d * f
     matmul_params = L * per_layer + cfg.vocab_size * d
     kv = 2 * L * batch * cache_len * kvd
     lora_per_expert = spec.n_adapt * spec.rank * sum(a + b for a, b in ((d, qd), (d, kvd), (qd, d)))
-    bytes_ = 4 * (matmul_params + kv + 3 * lora_per_expert)
+    weight_bytes = (0.75 * L * per_layer + 1.125 * cfg.vocab_size * d) if blocks else 4 * matmul_params
+    bytes_ = weight_bytes + 4 * (kv + 3 * lora_per_expert)
     attn_flops = 2 * 2 * L * batch * cache_len * qd
     flops = 2 * batch * matmul_params + attn_flops + 2 * batch * 3 * lora_per_expert
     return bytes_, flops
@@ -237,7 +241,8 @@ def main(argv=None) -> None:
     sampler = Sampler(bb, spec, sconf)
     native = f"; native kernel {measure_matmul(16, 576, 1536, native=True) / 1e9:.0f} GFLOP/s at [16,576]x[576,1536]"
     print(f"# ours: native CPU kernels {sampler.native_kernels}"
-          f"{native if sampler.native_kernels == 'on' else ''}", flush=True)
+          f"{native if sampler.native_kernels == 'on' else ''}; block weights (1-4 rows) "
+          f"{'on' if sampler.block_weights else 'off'}", flush=True)
     tok = bb.tokenizer
     src = "\n".join(p.read_text() for p in sorted((Path(__file__).resolve().parents[1] / "morse_jax").rglob("*.py")))
     corpus = tok(src, add_special_tokens=False)["input_ids"]
@@ -303,7 +308,7 @@ def main(argv=None) -> None:
     # average); XLA's attention reads the whole bucket, the native kernel only the filled slots.
     print("# roofline (decode step; KV read: the filled cache, prompt + new/2 tokens on average):")
     for B in batches:
-        nbytes, flops = step_cost(bb.config, B, P + N // 2, spec)
+        nbytes, flops = step_cost(bb.config, B, P + N // 2, spec, blocks=sampler.block_weights and B <= 4)
         t_roof = max(nbytes / bw, flops / peak)
         dec = statistics.median(results[B])
         print(f"#   batch {B}: {nbytes / 1e6:.0f} MB, {flops / 1e9:.2f} GFLOP per step -> roofline "

@@ -148,7 +148,7 @@ def isa_vec_bytes() -> int | None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("name", ["cpu_matmul", "decode_attention", "topk"])
+@pytest.mark.parametrize("name", ["cpu_matmul", "decode_attention", "topk", "block_matmul"])
 def test_vector_width_follows_the_isa_or_the_switch(name):
     """The default build uses the ISA's widest vectors (AVX-512F: 64 bytes, AVX/AVX2: 32, else 16);
     a forced width is what the library was compiled with."""

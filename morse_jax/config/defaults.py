@@ -139,6 +139,9 @@ def get_config() -> ml_collections.ConfigDict:
     # native C++ CPU kernels for decode steps (built with g++ at first use): auto | on | off
     # (auto: where they apply, XLA otherwise; see SamplerConfig.cpu_kernels)
     c.sampler.cpu_kernels = "auto"
+    # a GGUF's Q4_1 / Q8_0 blocks for decode steps of 1-4 rows on those kernels: auto | off
+    # (SamplerConfig.block_weights)
+    c.sampler.block_weights = "auto"
     # prompt tokens per prefill chunk, summed over the rows (SamplerConfig.prefill_rows); 0 = by backend:
     # 512 on CPU (measured best there, README "prefill"), 4096 on GPU/TPU, where a 512-row chunk left the
     # prefill of 64 x 512 tokens ~10x slower than its FLOPs on an H200 (README "GPU figures")

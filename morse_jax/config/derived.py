@@ -74,6 +74,7 @@ def sampler_config(cfg, *, return_prefix_states: bool = False) -> SamplerConfig:
                          prompt_buckets=prompts, new_token_buckets=new_tokens,
                          max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk, max_active=max_active(cfg),
                          return_prefix_states=return_prefix_states, cpu_kernels=cfg.sampler.cpu_kernels,
+                         block_weights=cfg.sampler.get("block_weights", "auto"),
                          refill=bool(cfg.sampler.get("refill", False)), prefill_rows=cfg.sampler.get("prefill_rows", 0))
 
 

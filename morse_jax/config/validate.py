@@ -110,6 +110,8 @@ def validate_config(cfg: ml_collections.ConfigDict, *, check_paths: bool = True)
         raise ConfigError(f"config.sampler.prefill_rows: must be >= 0 (0: by backend), got {cfg.sampler.prefill_rows}")
     if cfg.sampler.cpu_kernels not in ("auto", "on", "off"):
         raise ConfigError(f"config.sampler.cpu_kernels: must be auto, on or off, got {cfg.sampler.cpu_kernels!r}")
+    if cfg.sampler.get("block_weights", "auto") not in ("auto", "off"):
+        raise ConfigError(f"config.sampler.block_weights: must be auto or off, got {cfg.sampler.block_weights!r}")
     for name in ("top_p", "eval_top_p"):
         if not 0 < cfg.rollout[name] <= 1:
             raise ConfigError(f"config.rollout.{name}: must be in (0, 1], got {cfg.rollout[name]}")

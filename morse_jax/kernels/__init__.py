@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 
-from morse_jax.kernels import cpu_matmul, decode_attention as _attention, topk as _topk
+from morse_jax.kernels import block_matmul as _block_matmul, cpu_matmul, decode_attention as _attention, topk as _topk
 from morse_jax.kernels.cpu_matmul import matmul_cols
 from morse_jax.kernels.decode_attention import decode_attention
 from morse_jax.kernels.native import KernelBuildError
@@ -21,6 +21,7 @@ def ensure_registered(vec_bytes: int | None = None) -> None:
     cpu_matmul.ensure_registered(vec_bytes)
     _attention.ensure_registered(vec_bytes)
     _topk.ensure_registered(vec_bytes)
+    _block_matmul.ensure_registered(vec_bytes)
 
 
 def unavailable_reason() -> str | None:

@@ -17,6 +17,9 @@ differs is only how the work is laid out, for speed on CPU (measurements: ``benc
   native kernel read D interleaved rows of stride S (30 layers' decode attention at batch 16 on
   an AVX2 host: 16-17 -> 13.5-14.5 ms).
 * LoRA factors are rearranged once per device call (:func:`prepare_lora`), not per step.
+* A GGUF's block-quantised weights (``Backbone.blocks``), attached by :func:`with_blocks`, are
+  what a native decode step of 1-4 rows reads instead of the float32 ones
+  (``kernels.block_matmul``): the same weight values in a quarter of the bytes.
 
 The layer maths is ``morse_jax.models.block.decoder_layer``, the same block the training forward
 runs; this module supplies only the layouts (:class:`FusedRows` for the prefill,
@@ -35,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from morse_jax import kernels
+from morse_jax.kernels import block_matmul
 from morse_jax.models.adapters import LoraInputs, PreparedLora, prepare_lora  # noqa: F401 - prepare_lora re-exported
 from morse_jax.models.block import ColumnsLayout, LayerDims, RowsLayout, decoder_layer
 from morse_jax.models.config import ModelConfig
@@ -98,6 +102,30 @@ def decode_params(params: dict, cfg: ModelConfig) -> dict:
     out = dict(_fuse(params, cfg))
     out["embed"] = params["embed"]
     out.setdefault("head", params["embed"])
+    return out
+
+
+def with_blocks(dp: dict, blocks: dict, cfg: ModelConfig) -> dict:
+    """:func:`decode_params` with a GGUF's block-quantised weights attached (``Backbone.blocks``,
+    ``models.gguf_blocks``): each fused projection whose parts are all in blocks of one kind gets
+    ``{"blocks": matrix}`` (its parts' rows stacked in the fused order) next to its "w", and the
+    LM head ``"head_blocks"``. A native decode step of at most ``block_matmul.MAX_COLUMNS`` rows
+    reads them (:class:`FusedColumns`); everything else keeps reading "w"."""
+    layers = []
+    for lp, lb in zip(dp["layers"], blocks["layers"]):
+        new = dict(lp)
+        for name, parts in (*FUSED.items(), ("o", ("o",)), ("down", ("down",))):
+            mats = [lb[p] for p in parts if p in lb]
+            if name not in lp or not mats or len({type(m) for m in mats}) != 1:
+                continue
+            fused = block_matmul.concat_rows(mats) if len(mats) > 1 else mats[0]
+            if block_matmul.shape(fused) == tuple(lp[name]["w"].shape):  # every part of "w" is in blocks
+                new[name] = {**lp[name], "blocks": fused}
+        layers.append(new)
+    out = {**dp, "layers": tuple(layers)}
+    head = blocks["embed"] if cfg.tie_embeddings else blocks["head"]
+    if head is not None and block_matmul.shape(head) == tuple(dp["head"].shape):
+        out["head_blocks"] = head
     return out
 
 
@@ -169,11 +197,19 @@ class FusedColumns(ColumnsLayout):
     """The decode step: :func:`decode_params` weights, activations [d, B], ``W @ x`` by
     ``matmul`` (jnp.matmul or the native kernel ``kernels.matmul_cols``)."""
 
-    def __init__(self, matmul=jnp.matmul):
+    def __init__(self, matmul=jnp.matmul, block_matmul_cols=None):
         self.matmul = matmul
+        self.block_matmul_cols = block_matmul_cols  # the native kernel, or None: never read blocks
+
+    def weight_matmul(self, p: dict, x):
+        """``W @ x`` for one projection's params ``p`` ({"w", "blocks"?}), from its blocks where the
+        step has few enough rows and a block kernel is set."""
+        if self.block_matmul_cols is not None and "blocks" in p and x.shape[1] <= block_matmul.MAX_COLUMNS:
+            return self.block_matmul_cols(p["blocks"], x)
+        return self.matmul(p["w"], x)
 
     def linear(self, x, lp, group, out_dims):
-        y = self.matmul(lp[group]["w"], x)
+        y = self.weight_matmul(lp[group], x)
         if "bias" in lp[group]:
             y = y + lp[group]["bias"][:, None]
         return _split(y, out_dims, 0) if out_dims is not None else {group: y}
@@ -370,7 +406,8 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
     """
     if native:
         kernels.ensure_registered()  # once per process (cached); raises KernelBuildError
-    layout = FusedColumns(kernels.matmul_cols if native else jnp.matmul)
+    layout = (FusedColumns(kernels.matmul_cols, block_matmul.block_matmul_cols) if native
+              else FusedColumns(jnp.matmul))
     x0 = embed(dp["embed"], tokens, cfg)  # [B, d]
     ple = per_layer_inputs(dp, cfg, tokens[:, None], x0[:, None])[:, 0] if cfg.per_layer_input_size else None
     idx = cache["index"]
@@ -385,7 +422,8 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
                                              rope, attend, cache, lora, capture_layer)
     hT = layout.norm(xT, dp["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     if native:
-        logits = final_logits(layout.matmul(dp["head"], hT).T, cfg)
+        head = {"w": dp["head"], **({"blocks": dp["head_blocks"]} if "head_blocks" in dp else {})}
+        logits = final_logits(layout.weight_matmul(head, hT).T, cfg)
     else:  # the barrier keeps XLA from folding the transpose into the dot ("h @ E^T"), which it
         # then ran as a naive loop: 95 ms at batch 4 instead of ~6 ms
         logits = final_logits(jax.lax.optimization_barrier(dp["head"] @ hT).T, cfg)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from morse_jax.models import gguf_blocks
 from morse_jax.models.config import ModelConfig
 from morse_jax.models.hf_config import from_hf_config
 from morse_jax.models.hf_import import import_transformers
@@ -44,6 +45,9 @@ class Backbone:
     params: Any
     tokenizer: Any
     source: str = ""
+    # a GGUF's Q4_1 / Q8_0 weights in block form, which decode steps of a few rows read instead
+    # of the float params (models.gguf_blocks.load_blocks; None: no such tensor, or not a GGUF)
+    blocks: Any = None
 
 
 # --------------------------------------------------------------------------- tensor naming
@@ -339,18 +343,21 @@ def load_backbone(path: str | os.PathLike, dtype=jnp.float32, *, tokenizer: bool
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"model path {p} does not exist")
+    blocks = None
     if p.is_file() and p.suffix == ".gguf":
         cfg, params = _load_gguf(p, dtype)
+        blocks = gguf_blocks.load_blocks(p, cfg)
     elif p.is_dir():
         cfg, params = _load_hf_dir(p, dtype)
     else:
         raise WeightLoadError(f"{p}: expected an HF model directory or a .gguf file")
     if on_device:
         params = jax.tree.map(jnp.asarray, params)
+        blocks = jax.tree.map(jnp.asarray, blocks)
     tok = load_tokenizer(p) if tokenizer else None
     log.info("loaded %s: %s, %d layers, %.1fM params", p, cfg.family, cfg.num_layers,
              sum(x.size for x in jax.tree.leaves(params)) / 1e6)
-    return Backbone(config=cfg, params=params, tokenizer=tok, source=str(p))
+    return Backbone(config=cfg, params=params, tokenizer=tok, source=str(p), blocks=blocks)
 
 
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -84,6 +84,7 @@ def sampler_config(cfg) -> SamplerConfig:
                          new_token_buckets=buckets_up_to(d.new_token_buckets, budget) if budget > max(
                              d.new_token_buckets) else d.new_token_buckets,
                          max_batch=cfg.sampler.max_batch, chunk=cfg.sampler.chunk, cpu_kernels=cfg.sampler.cpu_kernels,
+                         block_weights=cfg.sampler.get("block_weights", "auto"),
                          prefill_rows=cfg.sampler.get("prefill_rows", 0))
 
 

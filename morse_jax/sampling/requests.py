@@ -140,6 +140,11 @@ class SamplerConfig:
     # back to XLA otherwise; "on" raises instead of falling back; "off" never
     # uses them. Sampler.native_kernels says what was chosen and why.
     cpu_kernels: str = "auto"
+    # Block-quantised weights (Backbone.blocks: a GGUF's Q4_1 / Q8_0 tensors, models.gguf_blocks)
+    # for decode steps of 1-4 rows on the native kernels (kernels.block_matmul): the same weight
+    # values in 0.75 / 1.125 bytes each instead of 4, which is what a step at batch 1 waits for.
+    # "auto": where the backbone has them and the native kernels are on; "off": float32 weights.
+    block_weights: str = "auto"
     # Slot refill (continuous batching, ``sampling.refill``): up to max_batch requests run at once
     # and a finished row's slot takes the next queued request (prefilled alone into that slot)
     # instead of idling until the longest row of a static micro-batch ends. Same tokens and
@@ -165,6 +170,8 @@ class SamplerConfig:
             raise ValueError(f"sampler.max_batch={self.max_batch} exceeds the largest batch bucket")
         if self.cpu_kernels not in ("auto", "on", "off"):
             raise ValueError(f"sampler.cpu_kernels must be auto, on or off, got {self.cpu_kernels!r}")
+        if self.block_weights not in ("auto", "off"):
+            raise ValueError(f"sampler.block_weights must be auto or off, got {self.block_weights!r}")
         if self.return_prefix_states and self.decode_path != "fused":
             raise ValueError("sampler.return_prefix_states needs sampler.decode_path='fused'")
 

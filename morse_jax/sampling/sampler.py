@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from morse_jax.models.decode import decode_params
+from morse_jax.models.decode import decode_params, with_blocks
 from morse_jax.models.loading import Backbone
 from morse_jax.models.transformer import split_segments, unstack_segments
 from morse_jax.mole.experts import ExpertBankSpec
@@ -99,6 +99,10 @@ class Sampler:
         else:  # per-layer (unrolled) params: per-layer caches update in place; a scanned stack copies
             params = unstack_segments(split_segments(backbone.params, n_adapt))
         native, self.native_kernels = self._use_native_kernels(mesh, params)
+        # decode steps of a few rows read the GGUF's blocks (a quarter of the bytes) where it has them
+        self.block_weights = bool(native and config.block_weights == "auto" and backbone.blocks is not None)
+        if self.block_weights:
+            params = with_blocks(params, backbone.blocks, self.cfg)
         self.loop_config = loop.LoopConfig(
             cfg=self.cfg, spec=spec, decode_path=config.decode_path, lora_compose=config.lora_compose,
             capture_layer=self.capture_layer, native=native, k_cap=config.k_cap,

@@ -46,7 +46,8 @@ class Backbone:
     tokenizer: Any
     source: str = ""
     # a GGUF's Q4_1 / Q8_0 weights in block form, which decode steps of a few rows read instead
-    # of the float params (models.gguf_blocks.load_blocks; None: no such tensor, or not a GGUF)
+    # of the float params (models.gguf_blocks.load_blocks; None: no such tensor, not a GGUF, or
+    # a backend other than CPU, where the native kernels that read them do not run)
     blocks: Any = None
 
 
@@ -346,7 +347,9 @@ def load_backbone(path: str | os.PathLike, dtype=jnp.float32, *, tokenizer: bool
     blocks = None
     if p.is_file() and p.suffix == ".gguf":
         cfg, params = _load_gguf(p, dtype)
-        blocks = gguf_blocks.load_blocks(p, cfg)
+        # only the native CPU kernels read them: elsewhere they would only take device memory
+        if jax.default_backend() == "cpu":
+            blocks = gguf_blocks.load_blocks(p, cfg)
     elif p.is_dir():
         cfg, params = _load_hf_dir(p, dtype)
     else:

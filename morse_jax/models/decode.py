@@ -17,15 +17,11 @@ differs is only how the work is laid out, for speed on CPU (measurements: ``benc
   native kernel read D interleaved rows of stride S (30 layers' decode attention at batch 16 on
   an AVX2 host: 16-17 -> 13.5-14.5 ms).
 * LoRA factors are rearranged once per device call (:func:`prepare_lora`), not per step.
-* A GGUF's block-quantised weights (``Backbone.blocks``), attached by :func:`with_blocks`, are
-  what a native decode step of 1-4 rows reads instead of the float32 ones
-  (``kernels.block_matmul``): the same weight values in a quarter of the bytes.
+* A native step of 1-4 rows reads a GGUF's blocks where attached (``gguf_blocks.with_blocks``).
 
 The layer maths is ``morse_jax.models.block.decoder_layer``, the same block the training forward
-runs; this module supplies only the layouts (:class:`FusedRows` for the prefill,
-:class:`FusedColumns` for the step, both over :func:`decode_params`) and the cache layout
-(:func:`_write_cache`, :func:`_attend`).
-
+runs; this module supplies only the layouts (:class:`FusedRows` for the prefill, :class:`FusedColumns`
+for the step, both over :func:`decode_params`) and the cache layout (:func:`_write_cache`, :func:`_attend`).
 Shapes: B batch, T new tokens, S cache length, d hidden, H heads, K kv heads, G = H / K, D head
 dim, V vocab, f MLP width.
 """
@@ -105,30 +101,6 @@ def decode_params(params: dict, cfg: ModelConfig) -> dict:
     return out
 
 
-def with_blocks(dp: dict, blocks: dict, cfg: ModelConfig) -> dict:
-    """:func:`decode_params` with a GGUF's block-quantised weights attached (``Backbone.blocks``,
-    ``models.gguf_blocks``): each fused projection whose parts are all in blocks of one kind gets
-    ``{"blocks": matrix}`` (its parts' rows stacked in the fused order) next to its "w", and the
-    LM head ``"head_blocks"``. A native decode step of at most ``block_matmul.MAX_COLUMNS`` rows
-    reads them (:class:`FusedColumns`); everything else keeps reading "w"."""
-    layers = []
-    for lp, lb in zip(dp["layers"], blocks["layers"]):
-        new = dict(lp)
-        for name, parts in (*FUSED.items(), ("o", ("o",)), ("down", ("down",))):
-            mats = [lb[p] for p in parts if p in lb]
-            if name not in lp or not mats or len({type(m) for m in mats}) != 1:
-                continue
-            fused = block_matmul.concat_rows(mats) if len(mats) > 1 else mats[0]
-            if block_matmul.shape(fused) == tuple(lp[name]["w"].shape):  # every part of "w" is in blocks
-                new[name] = {**lp[name], "blocks": fused}
-        layers.append(new)
-    out = {**dp, "layers": tuple(layers)}
-    head = blocks["embed"] if cfg.tie_embeddings else blocks["head"]
-    if head is not None and block_matmul.shape(head) == tuple(dp["head"].shape):
-        out["head_blocks"] = head
-    return out
-
-
 def init_decode_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """{"k": tuple over layers of [B*K, ceil(S/T), D, T] (keys in tiles of ``KEY_TILE`` slots),
     "v": tuple of [B*K, S, D], "valid": bool[B, S], "index": int32[] next slot}. K, D per layer
@@ -194,16 +166,14 @@ class FusedRows(RowsLayout):
 
 
 class FusedColumns(ColumnsLayout):
-    """The decode step: :func:`decode_params` weights, activations [d, B], ``W @ x`` by
-    ``matmul`` (jnp.matmul or the native kernel ``kernels.matmul_cols``)."""
+    """The decode step: :func:`decode_params` weights, activations [d, B], ``W @ x`` by ``matmul``
+    (jnp.matmul or ``kernels.matmul_cols``), or by ``block_matmul_cols`` from a projection's
+    "blocks" where attached (``gguf_blocks.with_blocks``) and B is small enough."""
 
     def __init__(self, matmul=jnp.matmul, block_matmul_cols=None):
-        self.matmul = matmul
-        self.block_matmul_cols = block_matmul_cols  # the native kernel, or None: never read blocks
+        self.matmul, self.block_matmul_cols = matmul, block_matmul_cols
 
-    def weight_matmul(self, p: dict, x):
-        """``W @ x`` for one projection's params ``p`` ({"w", "blocks"?}), from its blocks where the
-        step has few enough rows and a block kernel is set."""
+    def weight_matmul(self, p: dict, x):  # p: one projection's {"w", "blocks"?}
         if self.block_matmul_cols is not None and "blocks" in p and x.shape[1] <= block_matmul.MAX_COLUMNS:
             return self.block_matmul_cols(p["blocks"], x)
         return self.matmul(p["w"], x)
@@ -406,8 +376,7 @@ def decode_step(dp: dict, cfg: ModelConfig, tokens: jax.Array, active: jax.Array
     """
     if native:
         kernels.ensure_registered()  # once per process (cached); raises KernelBuildError
-    layout = (FusedColumns(kernels.matmul_cols, block_matmul.block_matmul_cols) if native
-              else FusedColumns(jnp.matmul))
+    layout = FusedColumns(kernels.matmul_cols, block_matmul.block_matmul_cols) if native else FusedColumns()
     x0 = embed(dp["embed"], tokens, cfg)  # [B, d]
     ple = per_layer_inputs(dp, cfg, tokens[:, None], x0[:, None])[:, 0] if cfg.per_layer_input_size else None
     idx = cache["index"]

@@ -15,8 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from morse_jax.kernels.block_matmul import from_gguf_blocks, take_rows
+from morse_jax.kernels.block_matmul import concat_rows, from_gguf_blocks, take_rows
+from morse_jax.kernels.block_matmul import shape as block_shape
 from morse_jax.models.config import ModelConfig
+from morse_jax.models.decode import FUSED
 
 # our projection name -> the GGUF tensor of layer i (llama layout, as loading._GGUF_LAYER_NAMES)
 PROJECTIONS = {"q": "blk.{i}.attn_q.weight", "k": "blk.{i}.attn_k.weight", "v": "blk.{i}.attn_v.weight",
@@ -65,4 +67,28 @@ def load_blocks(path: str | Path, cfg: ModelConfig) -> dict[str, Any] | None:
            "head": None if cfg.tie_embeddings else blocks("output.weight"), "layers": tuple(layers)}
     if out["embed"] is None and out["head"] is None and not any(layers):
         return None
+    return out
+
+
+def with_blocks(dp: dict, blocks: dict, cfg: ModelConfig) -> dict:
+    """:func:`models.decode.decode_params` with a GGUF's block-quantised weights attached (``Backbone.blocks``,
+    ``models.gguf_blocks``): each fused projection whose parts are all in blocks of one kind gets
+    ``{"blocks": matrix}`` (its parts' rows stacked in the fused order) next to its "w", and the
+    LM head ``"head_blocks"``. A native decode step of at most ``block_matmul.MAX_COLUMNS`` rows
+    reads them (``decode.FusedColumns``); everything else keeps reading "w"."""
+    layers = []
+    for lp, lb in zip(dp["layers"], blocks["layers"]):
+        new = dict(lp)
+        for name, parts in (*FUSED.items(), ("o", ("o",)), ("down", ("down",))):
+            mats = [lb[p] for p in parts if p in lb]
+            if name not in lp or not mats or len({type(m) for m in mats}) != 1:
+                continue
+            fused = concat_rows(mats) if len(mats) > 1 else mats[0]
+            if block_shape(fused) == tuple(lp[name]["w"].shape):  # every part of "w" is in blocks
+                new[name] = {**lp[name], "blocks": fused}
+        layers.append(new)
+    out = {**dp, "layers": tuple(layers)}
+    head = blocks["embed"] if cfg.tie_embeddings else blocks["head"]
+    if head is not None and block_shape(head) == tuple(dp["head"].shape):
+        out["head_blocks"] = head
     return out

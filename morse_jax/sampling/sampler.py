@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from morse_jax.models.decode import decode_params, with_blocks
+from morse_jax.models.decode import decode_params
+from morse_jax.models.gguf_blocks import with_blocks
 from morse_jax.models.loading import Backbone
 from morse_jax.models.transformer import split_segments, unstack_segments
 from morse_jax.mole.experts import ExpertBankSpec
@@ -99,18 +100,15 @@ class Sampler:
         else:  # per-layer (unrolled) params: per-layer caches update in place; a scanned stack copies
             params = unstack_segments(split_segments(backbone.params, n_adapt))
         native, self.native_kernels = self._use_native_kernels(mesh, params)
-        # decode steps of a few rows read the GGUF's blocks (a quarter of the bytes) where it has them
         self.block_weights = bool(native and config.block_weights == "auto" and backbone.blocks is not None)
-        if self.block_weights:
-            params = with_blocks(params, backbone.blocks, self.cfg)
+        params = with_blocks(params, backbone.blocks, self.cfg) if self.block_weights else params  # 1-4 rows read blocks
         self.loop_config = loop.LoopConfig(
             cfg=self.cfg, spec=spec, decode_path=config.decode_path, lora_compose=config.lora_compose,
             capture_layer=self.capture_layer, native=native, k_cap=config.k_cap,
             barrier=mesh is None, cache_dtype=config.cache_dtype, role_adapter=role_adapter)
         self._healer: TokenHealer | None = None  # built at the first request that heals
         self.compile_count = 0
-        # Wall-clock split of the last generate() call (seconds; summed over micro-batches):
-        # prefill_s includes the prefill's compile on a first call, decode_s the decode's.
+        # Wall-clock split (s) of the last generate() call, summed over micro-batches; compiles included
         self.last_stats: dict[str, float] = {}
         prefill = self._counted(functools.partial(loop.prefill, self.loop_config))
         decode = self._counted(functools.partial(loop.decode, self.loop_config))

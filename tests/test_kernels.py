@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_block_weights as bw
 
 from morse_jax.kernels import KernelBuildError, decode_attention, ensure_registered, matmul_cols, native, top_k, \
     unavailable_reason
+from morse_jax.kernels import block_matmul as bm
 from morse_jax.models.key_tiles import KEY_TILE, tile_keys
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None
@@ -325,3 +327,19 @@ def test_top_k_rejects_bad_operands():
         top_k(jnp.ones((8,)), 2)
     with pytest.raises(ValueError, match="k must be"):
         top_k(jnp.ones((2, 8)), 9)
+
+
+# --------------------------------------------------------------------------- block_matmul
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k,b", [(1, 32, 1), (77, 576, 1), (33, 64, 2), (130, 1536, 3), (64, 96, 4)])
+def test_block_matmul_matches_the_definition(width, kind, n, k, b):
+    raw = bw.random_blocks(kind, n, k, seed=n + k + b)
+    w = jax.tree.map(jnp.asarray, bm.from_gguf_blocks(raw, kind))
+    x = np.random.default_rng(b).standard_normal((k, b)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda w, x: bm.block_matmul_cols(w, x, vec_bytes=width))(w, jnp.asarray(x)))
+    want = bw.dequantize_by_definition(raw, kind) @ x.astype(np.float64)
+    assert got.shape == (n, b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

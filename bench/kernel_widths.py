@@ -6,6 +6,10 @@ probe's weight shape (``kernels.probe``: the model's MLP projection, [1536, 576]
 at 1, 4 and 16 columns. Best of ``--reps`` rounds of 20 calls each; one line per column count with
 microseconds per call and each width's ratio to XLA (>1: the kernel is faster).
 
+Then the same for ``kernels.block_matmul_cols`` (decode steps of 1-4 rows reading the GGUF's
+Q4_1 / Q8_0 blocks) on random blocks of the same shape at 1 and 4 columns, against XLA's float32
+dot of the dequantised matrix (what the sampler runs with ``block_weights="off"``).
+
 Usage:  python bench/kernel_widths.py [--shape 1536,576] [--reps 5] [--old-avx2]
 
 ``--old-avx2`` adds the build the per-ISA width replaced, as an AVX2-only host got it: 64-byte
@@ -70,6 +74,40 @@ def main(argv=None) -> None:
             ref = min(ref, best_time(xla, w, x, reps=20))
         parts = [f"{'isa' if v is None else v}: {1e6 * t:.0f} us {ref / t:.2f}x" for v, t in got.items()]
         print(f"B={b}: XLA {1e6 * ref:.0f} us; " + ", ".join(parts), flush=True)
+    block_widths(n, k, args.reps, rng)
+
+
+def block_widths(n: int, k: int, reps: int, rng) -> None:
+    """``block_matmul_cols`` per width and format vs XLA's float32 dot of the same values."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from morse_jax.kernels import block_matmul as bm
+    from morse_jax.kernels.probe import best_time
+
+    widths = [None, 64, 32, 16]
+    for v in widths:
+        bm.ensure_registered(v)
+    fns = {v: jax.jit(lambda w, x, v=v: bm.block_matmul_cols(w, x, vec_bytes=v)) for v in widths}
+    xla = jax.jit(jnp.matmul)
+    for kind, size in (("Q4_1", 20), ("Q8_0", 34)):  # bytes per block of 32: float16 scale (+ min), ints
+        raw = rng.integers(0, 256, (n, k // 32, size), dtype=np.uint8)
+        raw[..., 0:2] = (0.02 * rng.standard_normal((n, k // 32, 1))).astype(np.float16).view(np.uint8)
+        if kind == "Q4_1":
+            raw[..., 2:4] = (0.1 * rng.standard_normal((n, k // 32, 1))).astype(np.float16).view(np.uint8)
+        w = jax.tree.map(jnp.asarray, bm.from_gguf_blocks(raw.reshape(n, -1), kind))
+        dense = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)  # XLA's side: same shape, float32
+        for b in (1, 4):
+            x = jnp.asarray(rng.standard_normal((k, b)), jnp.float32)
+            got = {v: float("inf") for v in widths}
+            ref = float("inf")
+            for _ in range(reps):
+                for v in widths:
+                    got[v] = min(got[v], best_time(fns[v], w, x, reps=20))
+                ref = min(ref, best_time(xla, dense, x, reps=20))
+            parts = [f"{'isa' if v is None else v}: {1e6 * t:.0f} us {ref / t:.2f}x" for v, t in got.items()]
+            print(f"{kind} blocks, B={b}: XLA float32 {1e6 * ref:.0f} us; " + ", ".join(parts), flush=True)
 
 
 if __name__ == "__main__":

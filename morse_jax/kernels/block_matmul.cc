@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -35,48 +35,72 @@ namespace {
 constexpr int kBlock = 32;
 constexpr int kChunks = kBlock / kLanes;  // vectors per block
 static_assert(kBlock % kLanes == 0, "a block must hold whole vectors");
-// The 32 integers of a block as floats (element order). On AVX2 with intrinsics (zero/sign
-// extension + cvtdq2ps, 8 at a time); GCC 12 turned both the vector-extension conversion and the
-// plain loop into byte-by-byte inserts there (Q4_1 8x slower than the float32 kernel). Elsewhere
-// the plain loops, which the compiler may vectorise.
-#if defined(__AVX2__)
-inline void unpack_q4(const uint8_t* p, float* q) {
+// The 32 integers of a block as kChunks vectors, in element order, handed over in registers. With
+// intrinsics where the vector width is the ISA's own (AVX-512 / AVX2: zero or sign extension +
+// cvtdq2ps): GCC 12 turned both the vector-extension conversion and the plain loop into
+// byte-by-byte inserts there (Q4_1 8x slower than the float32 kernel). Going through memory costs
+// too where the store and load widths differ: 256-bit stores read back as 512-bit vectors miss
+// store forwarding (the AVX-2 unpack in an AVX-512 build ran Q4_1 3.4x slower than the AVX2 build,
+// 2026-12-07). Elsewhere (SSE, NEON, forced widths) the plain loops, which the compiler may vectorise.
+#if defined(__AVX512F__) && MORSE_VEC_BYTES == 64
+inline void unpack_q4(const uint8_t* p, vf* q) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(15);
+  q[0] = reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))));
+  q[1] = reinterpret_cast<vf>(
+      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))));
+}
+
+inline void unpack_q8(const int8_t* p, vf* q) {
+  for (int c = 0; c < 2; ++c) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c));
+    q[c] = reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+  }
+}
+#elif defined(__AVX2__) && MORSE_VEC_BYTES == 32
+inline __m256 widen8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+inline void unpack_q4(const uint8_t* p, vf* q) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(15);
   const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-  _mm256_storeu_ps(q, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
-  _mm256_storeu_ps(q + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
-  _mm256_storeu_ps(q + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
-  _mm256_storeu_ps(q + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
+  q[0] = reinterpret_cast<vf>(widen8(lo));
+  q[1] = reinterpret_cast<vf>(widen8(_mm_srli_si128(lo, 8)));
+  q[2] = reinterpret_cast<vf>(widen8(hi));
+  q[3] = reinterpret_cast<vf>(widen8(_mm_srli_si128(hi, 8)));
 }
 
-inline void unpack_q8(const int8_t* p, float* q) {
-  for (int c = 0; c < kBlock; c += 8) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c));
-    _mm256_storeu_ps(q + c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+inline void unpack_q8(const int8_t* p, vf* q) {
+  for (int c = 0; c < 4; ++c) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c));
+    q[c] = reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
   }
 }
 #else
-inline void unpack_q4(const uint8_t* __restrict p, float* __restrict q) {
+inline void unpack_q4(const uint8_t* __restrict p, vf* q) {
+  float f[kBlock];
   for (int i = 0; i < kBlock / 2; ++i) {
-    q[i] = static_cast<float>(p[i] & 15);
-    q[kBlock / 2 + i] = static_cast<float>(p[i] >> 4);
+    f[i] = static_cast<float>(p[i] & 15);
+    f[kBlock / 2 + i] = static_cast<float>(p[i] >> 4);
   }
+  for (int c = 0; c < kChunks; ++c) q[c] = load<vf>(f + c * kLanes);
 }
 
-inline void unpack_q8(const int8_t* __restrict p, float* __restrict q) {
-  for (int i = 0; i < kBlock; ++i) q[i] = static_cast<float>(p[i]);
+inline void unpack_q8(const int8_t* __restrict p, vf* q) {
+  float f[kBlock];
+  for (int i = 0; i < kBlock; ++i) f[i] = static_cast<float>(p[i]);
+  for (int c = 0; c < kChunks; ++c) q[c] = load<vf>(f + c * kLanes);
 }
 #endif
 
 // q . x over one block: two partial sums so the FMAs of a block are two short chains, not one.
-inline vf block_dot(const float* q, const float* x) {
-  vf s0 = load<vf>(q) * load<vf>(x), s1 = {};
+inline vf block_dot(const vf* q, const float* x) {
+  vf s0 = q[0] * load<vf>(x), s1 = {};
   for (int c = 1; c < kChunks; ++c) {
     if (c & 1) {
-      s1 += load<vf>(q + c * kLanes) * load<vf>(x + c * kLanes);
+      s1 += q[c] * load<vf>(x + c * kLanes);
     } else {
-      s0 += load<vf>(q + c * kLanes) * load<vf>(x + c * kLanes);
+      s0 += q[c] * load<vf>(x + c * kLanes);
     }
   }
   return s0 + s1;
@@ -115,7 +139,7 @@ struct Job {
       float macc[BB] = {};
       const float* d = scale + n * nb;
       for (int64_t j = 0; j < nb; ++j) {
-        float q[kBlock];
+        vf q[kChunks];
         if (q4 != nullptr) {
           unpack_q4(q4 + (n * nb + j) * (kBlock / 2), q);
         } else {

@@ -333,6 +333,29 @@ def test_top_k_rejects_bad_operands():
 
 
 @needs_compiler
+def test_block_unpack_runs_at_the_builds_own_width(width):
+    """The block kernel unpacks with intrinsics of its build's vector width or with plain loops,
+    never with another width's: an AVX2 unpack (256-bit stores) read back as 512-bit vectors misses
+    store forwarding (Q4_1 3.4x slower at width 64 than at 32, 2026-12-07). Where the CPU has the
+    width's instructions, the intrinsics are used."""
+    built = native.built_vec_bytes("block_matmul", width)
+    unpack = bm.unpack_simd_bytes(width)
+    assert unpack in (0, built), f"a {built}-byte build unpacks {unpack}-byte vectors"
+    isa = {64: "avx512f", 32: "avx2"}.get(built)
+    if platform.machine().lower() in ("x86_64", "amd64") and isa and isa in _cpu_flags():
+        assert unpack == built, f"the {built}-byte build has {isa} but unpacks with plain loops"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@needs_compiler
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n,k,b", [(1, 32, 1), (77, 576, 1), (33, 64, 2), (130, 1536, 3), (64, 96, 4)])
 def test_block_matmul_matches_the_definition(width, kind, n, k, b):

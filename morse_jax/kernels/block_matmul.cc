@@ -43,6 +43,7 @@ static_assert(kBlock % kLanes == 0, "a block must hold whole vectors");
 // store forwarding (the AVX-2 unpack in an AVX-512 build ran Q4_1 3.4x slower than the AVX2 build,
 // 2026-12-07). Elsewhere (SSE, NEON, forced widths) the plain loops, which the compiler may vectorise.
 #if defined(__AVX512F__) && MORSE_VEC_BYTES == 64
+#define MORSE_UNPACK_BYTES 64
 inline void unpack_q4(const uint8_t* p, vf* q) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(15);
@@ -58,6 +59,7 @@ inline void unpack_q8(const int8_t* p, vf* q) {
   }
 }
 #elif defined(__AVX2__) && MORSE_VEC_BYTES == 32
+#define MORSE_UNPACK_BYTES 32
 inline __m256 widen8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 
 inline void unpack_q4(const uint8_t* p, vf* q) {
@@ -77,6 +79,7 @@ inline void unpack_q8(const int8_t* p, vf* q) {
   }
 }
 #else
+#define MORSE_UNPACK_BYTES 0
 inline void unpack_q4(const uint8_t* __restrict p, vf* q) {
   float f[kBlock];
   for (int i = 0; i < kBlock / 2; ++i) {
@@ -227,3 +230,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MorseBlockMatmulQ80, Q80Impl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// Which unpacking this build has: the intrinsics' vector width in bytes (64, 32) or 0 for the plain
+// loops. block_matmul.unpack_simd_bytes reads it; tests check it is never a width other than the
+// build's own (the store-forwarding slowdown of 2026-12-07 was an AVX2 unpack in a 64-byte build).
+extern "C" __attribute__((visibility("default"))) int MorseBlockUnpackBytes() { return MORSE_UNPACK_BYTES; }

@@ -93,6 +93,12 @@ def ensure_registered(vec_bytes: int | None = None) -> None:
     native.register("block_matmul", "MorseBlockMatmulQ80", TARGETS["q8_0"], vec_bytes)
 
 
+def unpack_simd_bytes(vec_bytes: int | None = None) -> int:
+    """How the kernel built at ``vec_bytes`` turns a block's integers into floats: with intrinsics of
+    that vector width (64: AVX-512, 32: AVX2), or 0: plain loops (other ISAs and forced widths)."""
+    return native.build_fact("block_matmul", "MorseBlockUnpackBytes", vec_bytes)
+
+
 def block_matmul_cols(w: BlockMatrix, x: jax.Array, *, vec_bytes: int | None = None) -> jax.Array:
     """``W @ x`` for ``W`` [N, K] in block form and x float32[K, B] (1 <= B <= 4) -> float32[N, B].
 

@@ -184,6 +184,12 @@ def register(name: str, symbol: str, target: str, vec_bytes: int | None = None) 
 
 def built_vec_bytes(name: str, vec_bytes: int | None = None) -> int:
     """The vector width (bytes) the library of ``name`` was compiled with (``MorseVecBytes``)."""
-    fn = _load(name, vec_bytes, "MorseVecBytes")
+    return build_fact(name, "MorseVecBytes", vec_bytes)
+
+
+def build_fact(name: str, symbol: str, vec_bytes: int | None = None) -> int:
+    """What the library of ``name`` (built at ``vec_bytes``) reports through its ``int symbol()``
+    function: a fact of how it was compiled (``MorseVecBytes``, ``MorseBlockUnpackBytes``)."""
+    fn = _load(name, vec_bytes, symbol)
     fn.restype = ctypes.c_int
     return int(fn())

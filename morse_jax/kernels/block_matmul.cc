@@ -40,7 +40,7 @@ static_assert(kBlock % kLanes == 0, "a block must hold whole vectors");
 // cvtdq2ps): GCC 12 turned both the vector-extension conversion and the plain loop into
 // byte-by-byte inserts there (Q4_1 8x slower than the float32 kernel). Going through memory costs
 // too where the store and load widths differ: 256-bit stores read back as 512-bit vectors miss
-// store forwarding (the AVX-2 unpack in an AVX-512 build ran Q4_1 3.4x slower than the AVX2 build,
+// store forwarding (the AVX2 unpack in an AVX-512 build ran Q4_1 3.4x slower than the AVX2 build,
 // 2026-12-07). Elsewhere (SSE, NEON, forced widths) the plain loops, which the compiler may vectorise.
 #if defined(__AVX512F__) && MORSE_VEC_BYTES == 64
 #define MORSE_UNPACK_BYTES 64

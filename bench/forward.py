@@ -235,4 +235,7 @@ def report(r, prompt_len):
 
 
 if __name__ == "__main__":
+    from morse_jax.run.allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # both sides (one process) under one malloc: MORSE_JAX_MALLOC
     sys.exit(main())

@@ -298,4 +298,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from morse_jax.run.allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # as morse_jax.main: MORSE_JAX_MALLOC
     raise SystemExit(main())

@@ -218,10 +218,12 @@ def main(argv=None) -> None:
 
     from morse_jax.models import embedded_model_path, load_backbone
     from morse_jax.mole.experts import ExpertBankSpec, execute_set, init_expert_bank
+    from morse_jax.run import allocator
     from morse_jax.sampling.sampler import Request, Sampler, SamplerConfig
 
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"# load {os.getloadavg()[0]:.1f}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+    print(f"# load {os.getloadavg()[0]:.1f}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
+          f"malloc {allocator.current()}",
           flush=True)
     bw = measure_bandwidth()
     peak = measure_matmul(2048, 2048, 2048)
@@ -423,4 +425,7 @@ class TorchPeer:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from morse_jax.run.allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # both sides (one process) under one malloc: MORSE_JAX_MALLOC
     main()

@@ -261,4 +261,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from morse_jax.run.allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # both sides under one malloc: MORSE_JAX_MALLOC
     sys.exit(main())

@@ -184,4 +184,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "--child" not in sys.argv:  # a child (this side's or a peer checkout's) inherits the preload
+        sys.path.insert(0, str(REPO))
+        from morse_jax.run.allocator import reexec_with_allocator
+
+        reexec_with_allocator()  # both sides under one malloc: MORSE_JAX_MALLOC
     main()

@@ -373,13 +373,15 @@ def main(argv=None) -> int:
     from morse_jax.mole.experts import ExpertBankSpec
     from morse_jax.rl.batch import pad_sequences
     from morse_jax.rl.update import Trainer, TrainConfig, init_trainable
+    from morse_jax.run import allocator
 
     overrides = eval(args.train_config)  # noqa: S307 - a developer's command line
     if args.micro_batch:
         overrides["micro_batch"] = args.micro_batch
     tcfg = TrainConfig(**overrides)
     print(f"# load {os.getloadavg()[0]:.1f}, cpus {os.cpu_count()}, jax {jax.__version__}, "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}",
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
+          f"malloc {allocator.current()} (both sides)",
           flush=True)
     path = embedded_model_path()
     bb, t_load = timed(lambda: load_backbone(path))
@@ -483,4 +485,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from morse_jax.run.allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # both sides (the peer's child inherits it) under one malloc: MORSE_JAX_MALLOC
     sys.exit(main())

@@ -116,4 +116,7 @@ def parse_flags(argv):
 
 
 if __name__ == "__main__":
+    from morse_jax.run.allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # tcmalloc unless MORSE_JAX_MALLOC=system (run/allocator.py: why)
     app.run(main, flags_parser=parse_flags)

@@ -38,6 +38,9 @@ never counted in the step time.
 Usage:  python bench/train_step.py [--reps 3] [--rows 16] [--seq 384] [--prompt 200,200]
         [--distinct-prompts] [--micro-batch 8] [--ours-only] [--no-recompute]
         [--torch-logits all,generated] [--train-config "dict(share_prompts=False)"]
+        MORSE_JAX_MALLOC=system|tcmalloc|jemalloc picks both sides' malloc (default tcmalloc where
+        installed; the script re-executes itself with it preloaded, the peer's child inherits it:
+        morse_jax/run/allocator.py).
 
 Measured on this machine (2 shared cores), starting from the sampler's prefix states, load 1.2-2:
 

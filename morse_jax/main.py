@@ -20,6 +20,9 @@ from ml_collections import config_flags
 from morse_jax.config.validate import ConfigError, validate_config
 from morse_jax.run.session import enable_compilation_cache, quiet_logs
 
+# Set when run as a script: why the process runs with the malloc it has (run/allocator.py).
+_MALLOC_NOTE = ""
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/quickstart.py", "Path to a config file.",
                                           lock_config=True)
 
@@ -64,6 +67,12 @@ def main(argv):
         print(f"config error: {e}", file=sys.stderr)
         return 2
     quiet_logs()
+    if _MALLOC_NOTE:
+        import logging
+
+        from morse_jax.run.allocator import current
+
+        logging.getLogger("morse_jax").info("malloc: %s (%s)", current(), _MALLOC_NOTE)
     from morse_jax.parallel import initialize
 
     # Before any other JAX use: joins a multi-process run (explicit settings or SLURM); no-op alone.
@@ -118,5 +127,5 @@ def parse_flags(argv):
 if __name__ == "__main__":
     from morse_jax.run.allocator import reexec_with_allocator
 
-    reexec_with_allocator()  # tcmalloc unless MORSE_JAX_MALLOC=system (run/allocator.py: why)
+    _MALLOC_NOTE = reexec_with_allocator()  # tcmalloc unless MORSE_JAX_MALLOC=system (run/allocator.py: why)
     app.run(main, flags_parser=parse_flags)

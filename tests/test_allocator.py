@@ -34,8 +34,10 @@ def test_unknown_choice_is_an_error_naming_the_choices():
 def test_no_preload_when_already_mapped_or_missing_or_not_linux():
     maps = "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n"
     assert preload_plan({ENV: "jemalloc"}, maps, _find("/x/libjemalloc.so.2"), "linux") == (None, "jemalloc already loaded")
+    after = preload_plan({ENV: "jemalloc", allocator.REEXECUTED_ENV: "1"}, maps, _find("/x/libjemalloc.so.2"), "linux")
+    assert after == (None, "jemalloc preloaded by re-execution")
     path, why = preload_plan({ENV: "jemalloc"}, "", _find(None), "linux")
-    assert path is None and "not found" in why
+    assert path is None and "not found" in why and "apt install libjemalloc2" in why
     assert preload_plan({}, "", _find("/x/lib.so"), "darwin")[0] is None
 
 
@@ -55,8 +57,9 @@ CHILD = """
 import os, sys
 print("run", os.getpid(), sys.argv[1:], flush=True)
 from morse_jax.run.allocator import reexec_with_allocator, current
-reexec_with_allocator()
+note = reexec_with_allocator()
 print("malloc", current(), flush=True)
+print("note", note, flush=True)
 """
 
 
@@ -75,14 +78,15 @@ def test_reexecution_preloads_tcmalloc_same_pid_same_arguments():
     runs = [ln for ln in out.stdout.splitlines() if ln.startswith("run ")]
     assert len(runs) == 2 and runs[0] == runs[1], out.stdout  # execve: same pid, same argv
     assert runs[0].endswith("['a', 'b c']")
-    assert out.stdout.splitlines()[-1] == "malloc tcmalloc"
+    assert out.stdout.splitlines()[-2:] == ["malloc tcmalloc", "note tcmalloc preloaded by re-execution"]
+    assert out.stderr == ""
 
 
 def test_system_choice_runs_once_with_glibc():
     out = _run("system")
     assert out.returncode == 0, out.stderr
-    assert [ln.split()[0] for ln in out.stdout.splitlines()] == ["run", "malloc"]
-    assert out.stdout.splitlines()[-1] == "malloc system"
+    assert [ln.split()[0] for ln in out.stdout.splitlines()] == ["run", "malloc", "note"]
+    assert out.stdout.splitlines()[-2:] == ["malloc system", f"note {ENV}=system"]
 
 
 def test_bad_choice_exits_2_with_one_line():

@@ -16,7 +16,7 @@ or ``system`` (glibc, no re-execution). A library is preloaded only by re-execut
 keeps the process id, so launchers and schedulers see no new process. Child processes inherit the
 preload through the environment. Linux only; where the library is not installed (Debian:
 ``apt install libtcmalloc-minimal4`` / ``libjemalloc2``) the process goes on with the system
-malloc after a one-line note.
+malloc, and ``morse_jax.main`` logs which malloc it runs with and why.
 """
 
 from __future__ import annotations
@@ -56,20 +56,23 @@ def preload_plan(env: Mapping[str, str], loaded: str, find: Callable[[str], str 
     if not platform.startswith("linux"):
         return None, f"{platform}: preloading is Linux-only"
     if any(so in loaded for so in SONAMES[choice]):
-        return None, f"{choice} already loaded"
+        return None, f"{choice} preloaded by re-execution" if env.get(REEXECUTED_ENV) else f"{choice} already loaded"
     if env.get(REEXECUTED_ENV):
         return None, f"{choice} was preloaded but is not mapped: system malloc"
     path = find(choice)
     if path is None:
-        return None, f"{choice} not found in {', '.join(SEARCH_DIRS)}: system malloc"
+        return None, (f"{choice} not found in {', '.join(SEARCH_DIRS)}: system malloc (Debian: apt install "
+                      f"{'libtcmalloc-minimal4' if choice == 'tcmalloc' else 'libjemalloc2'})")
     return path, f"preloading {path}"
 
 
-def reexec_with_allocator(argv: Sequence[str] | None = None) -> None:
+def reexec_with_allocator(argv: Sequence[str] | None = None) -> str:
     """Re-execute this Python process with the allocator of ``MORSE_JAX_MALLOC`` preloaded, or
-    return (system malloc chosen, already loaded, not Linux, library missing: one line on stderr
-    for the last); an unknown ``MORSE_JAX_MALLOC`` exits with status 2 and one line. Call before anything heavy is imported. ``argv``: the interpreter arguments to
-    run again (default: this process's, ``sys.orig_argv`` without the interpreter)."""
+    return why not (system malloc chosen, already loaded, not Linux, library missing), for the
+    caller to log once logging is set up (``morse_jax.main`` does); nothing is printed, so a
+    config error stays one line. An unknown ``MORSE_JAX_MALLOC`` exits with status 2 and one line.
+    Call before anything heavy is imported. ``argv``: the interpreter arguments to run again
+    (default: this process's, ``sys.orig_argv`` without the interpreter)."""
     try:
         loaded = Path("/proc/self/maps").read_text()
     except OSError:
@@ -80,9 +83,7 @@ def reexec_with_allocator(argv: Sequence[str] | None = None) -> None:
         print(f"morse_jax: {e}", file=sys.stderr)
         sys.exit(2)
     if path is None:
-        if "not found" in why or "not mapped" in why:
-            print(f"morse_jax: {why} (README 'Performance': allocator)", file=sys.stderr)
-        return
+        return why
     env = dict(os.environ)
     env["LD_PRELOAD"] = " ".join(p for p in (path, env.get("LD_PRELOAD", "")) if p)
     env[REEXECUTED_ENV] = "1"

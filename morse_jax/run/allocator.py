@@ -12,7 +12,7 @@ Measured in README "Performance" (``bench/train_step.py``, ``MORSE_JAX_MALLOC=sy
 The choice is the environment variable ``MORSE_JAX_MALLOC``: ``tcmalloc`` (default), ``jemalloc``
 or ``system`` (glibc, no re-execution). A library is preloaded only by re-executing the process
 (``LD_PRELOAD`` is read by the dynamic loader at start-up), so the entry points call
-:func:`reexec_with_allocator` first thing (``morse_jax.main``, the ``bench/`` scripts); ``execv``
+:func:`reexec_with_allocator` first thing (``morse_jax.main``, the ``bench/`` scripts); ``execve``
 keeps the process id, so launchers and schedulers see no new process. Child processes inherit the
 preload through the environment. Linux only; where the library is not installed (Debian:
 ``apt install libtcmalloc-minimal4`` / ``libjemalloc2``) the process goes on with the system
@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Sequence
 ENV = "MORSE_JAX_MALLOC"
 CHOICES = ("tcmalloc", "jemalloc", "system")
 # Set in the re-executed process, so a library that failed to load cannot cause a loop.
-REEXECUTED_ENV = "MORSE_JAX_MALLOCREEXECUTED_ENV"
+REEXECUTED_ENV = "MORSE_JAX_MALLOC_REEXECUTED"
 SONAMES = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"), "jemalloc": ("libjemalloc.so.2",)}
 SEARCH_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
                "/usr/local/lib")

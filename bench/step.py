@@ -169,8 +169,11 @@ def main() -> None:
     checkouts = {"this": REPO}
     if args.peer:
         checkouts["peer"] = Path(args.peer).resolve()
+    from morse_jax.run import allocator
+
     print(f"# {config}, {args.steps} steps x {args.rounds} round(s), overrides {args.set or 'none'}; "
-          f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f} at start", flush=True)
+          f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f} at start, malloc {allocator.current()} "
+          f"(both sides)", flush=True)
     results: dict[str, list[dict]] = {n: [] for n in checkouts}
     for r in range(args.rounds):
         for name, path in checkouts.items():  # alternating sides

@@ -41,6 +41,11 @@ def test_no_preload_when_already_mapped_or_missing_or_not_linux():
     assert preload_plan({}, "", _find("/x/lib.so"), "darwin")[0] is None
 
 
+def test_mapped_allocator_reads_the_maps():
+    assert allocator.mapped_allocator("") == "system"
+    assert allocator.mapped_allocator("7f00-7f01 r-xp 0 08:01 1 /usr/lib/libtcmalloc_minimal.so.4.5.10\n") == "tcmalloc"
+
+
 def test_a_reexecuted_process_never_reexecutes_again():
     # the preload was asked for but the library is not mapped (a broken install): no loop
     path, why = preload_plan({allocator.REEXECUTED_ENV: "1"}, "", _find("/x/libtcmalloc.so.4"), "linux")

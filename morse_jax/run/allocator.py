@@ -55,7 +55,7 @@ def preload_plan(env: Mapping[str, str], loaded: str, find: Callable[[str], str 
         return None, f"{ENV}=system"
     if not platform.startswith("linux"):
         return None, f"{platform}: preloading is Linux-only"
-    if any(so in loaded for so in SONAMES[choice]):
+    if mapped_allocator(loaded) == choice:
         return None, f"{choice} preloaded by re-execution" if env.get(REEXECUTED_ENV) else f"{choice} already loaded"
     if env.get(REEXECUTED_ENV):
         return None, f"{choice} was preloaded but is not mapped: system malloc"
@@ -93,10 +93,15 @@ def reexec_with_allocator(argv: Sequence[str] | None = None) -> str:
     os.execve(sys.executable, [sys.executable, *args], env)
 
 
+def mapped_allocator(loaded: str) -> str:
+    """``tcmalloc``, ``jemalloc`` or ``system``: which allocator the mapped files ``loaded`` (the
+    text of /proc/<pid>/maps) hold."""
+    return next((name for name, sonames in SONAMES.items() if any(so in loaded for so in sonames)), "system")
+
+
 def current() -> str:
-    """The allocator this process runs with: ``tcmalloc``, ``jemalloc`` or ``system`` (for logs)."""
+    """The allocator this process runs with (for logs): :func:`mapped_allocator` of its maps."""
     try:
-        loaded = Path("/proc/self/maps").read_text()
+        return mapped_allocator(Path("/proc/self/maps").read_text())
     except OSError:
         return "system"
-    return next((name for name, sonames in SONAMES.items() if any(so in loaded for so in sonames)), "system")

@@ -1,5 +1,6 @@
-"""The leakage-free synthetic function-calling set: deterministic, large, distinct, disjoint from
-BFCL (function names and 8-word phrases), and every reference call valid under BFCL's own checker."""
+"""The leakage-free generated function-calling sets (``synthetic``'s invented domains and
+``questions``' everyday questions): deterministic, large, distinct, disjoint from BFCL (function
+names and 8-word phrases), and every reference call valid under BFCL's own checker."""
 
 from __future__ import annotations
 
@@ -10,31 +11,40 @@ import re
 import pytest
 
 from morse_jax.tasks import bfcl
-from morse_jax.tasks.bfcl import synthetic
+from morse_jax.tasks.bfcl import questions, synthetic
 
 N = 4000
+GENERATORS = {"synthetic": synthetic, "questions": questions}
+# share of distinct request texts (the same question offered other functions is another record):
+# questions' catalogue is smaller (36 tools, short value lists)
+MIN_DISTINCT_QUERIES = {synthetic: 0.95, questions: 0.75}
+
+
+@pytest.fixture(scope="module", params=sorted(GENERATORS))
+def generator(request):
+    return GENERATORS[request.param]
 
 
 @pytest.fixture(scope="module")
-def records():
-    return synthetic.generate(N, seed=0)
+def records(generator):
+    return generator.generate(N, seed=0)
 
 
-def test_deterministic_and_distinct(records):
-    assert synthetic.generate(N, seed=0) == records
-    assert synthetic.generate(300, seed=7) == synthetic.generate(300, seed=7)
-    assert synthetic.generate(300, seed=7) != synthetic.generate(300, seed=8)
+def test_deterministic_and_distinct(generator, records):
+    assert generator.generate(N, seed=0) == records
+    assert generator.generate(300, seed=7) == generator.generate(300, seed=7)
+    assert generator.generate(300, seed=7) != generator.generate(300, seed=8)
     assert len({(r["query"], tuple(f["name"] for f in r["functions"])) for r in records}) == N
-    assert len({r["query"] for r in records}) > 0.95 * N
+    assert len({r["query"] for r in records}) > MIN_DISTINCT_QUERIES[generator] * N
     counts = collections.Counter(r["scenario"] for r in records)
-    assert set(counts) == set(synthetic.SCENARIOS) and min(counts.values()) > 0.1 * N
+    assert set(counts) == set(synthetic.SCENARIOS) and min(counts.values()) > 0.07 * N
     with pytest.raises(ValueError, match="unknown scenario"):
-        synthetic.generate(5, mix={"simple": 1.0, "chitchat": 1.0})
+        generator.generate(5, mix={"simple": 1.0, "chitchat": 1.0})
 
 
 def test_no_function_name_occurs_in_any_bfcl_category(records):
-    generated = {f["name"] for r in records for f in r["functions"]} | set(synthetic.catalogue_names(0))
-    for seed in (1, 2, 3):
+    generated = {f["name"] for r in records for f in r["functions"]} | set(questions.catalogue_names())
+    for seed in (0, 1, 2, 3):
         generated |= set(synthetic.catalogue_names(seed))
     bfcl_names = bfcl.function_names(bfcl.CATEGORIES)
     assert len(bfcl_names) > 1000  # all 11 categories were read
@@ -118,3 +128,24 @@ def test_cli_writes_multi_role_jsonl(tmp_path, capsys):
     plain = tmp_path / "plain.jsonl"
     synthetic.main(["--n", "40", "--seed", "3", "--out", str(plain), "--plain"])
     assert [json.loads(line) for line in plain.read_text().splitlines()] == synthetic.generate(40, 3)
+
+
+def test_questions_source_is_the_generated_questions_with_a_held_out_tail():
+    """moragent.train_data="questions": questions.generate's records in their order, converted, the last
+    heldout_examples held out; heldout_examples must leave a training example."""
+    from morse_jax.config.defaults import get_config
+    from morse_jax.config.validate import ConfigError, validate_config
+    from morse_jax.run.agent_training import training_trajectories
+
+    c = get_config()
+    c.system, c.mode, c.variant, c.model.path = "moragent", "train", "mor", "embedded"
+    m = c.moragent
+    m.train_data, m.synthetic_examples, m.heldout_examples = "questions", 30, 5
+    validate_config(c, check_paths=False)
+    train, held = training_trajectories(c)
+    expected = questions.generate(30, seed=c.seed)
+    assert [t.id for t in train + held] == [r["id"] for r in expected] and len(held) == 5
+    assert [t.turns[0].content for t in held] == [r["query"] for r in expected[25:]]
+    m.heldout_examples = 30
+    with pytest.raises(ConfigError, match="heldout_examples: 30 leaves no training example"):
+        validate_config(c, check_paths=False)

@@ -171,9 +171,11 @@ def moragent_defaults() -> ml_collections.ConfigDict:
     # items offering a function named in a scored non-live category are left out; evaluate on non-live
     # categories only), "synthetic+bfcl_live" (both, shuffled together: the generator's call syntax and
     # multi-call requests next to real requests, irrelevant ones included) or a JSON Lines file in the
-    # multi-role format (morse_jax.tasks.trajectories)
+    # multi-role format (morse_jax.tasks.trajectories); "questions" (morse_jax.tasks.bfcl.questions, leakage-free
+    # too): questions about everyday computations and lookups, irrelevant ones outside every offered
+    # tool's topic, parallel ones naming several values of one argument
     m.train_data = "synthetic"
-    m.synthetic_examples = 5000  # records generated for "synthetic" (and "synthetic+bfcl_live")
+    m.synthetic_examples = 5000  # records generated for "synthetic" / "questions" (and "synthetic+bfcl_live")
     # "bfcl_live" (and "synthetic+bfcl_live"): live records kept after a seeded shuffle (0 = all 1978),
     # before the max_len filter
     m.live_examples = 0

@@ -13,7 +13,7 @@ from morse_jax.config.variants import AGENT_VARIANTS, VARIANTS
 SYSTEMS = ("morse", "moragent")
 AGENT_MODES = ("train", "eval")
 # moragent.train_data values that name a built-in source rather than a JSON Lines file
-GENERATED_DATA = ("synthetic", "bfcl_live", "synthetic+bfcl_live")
+GENERATED_DATA = ("synthetic", "questions", "bfcl_live", "synthetic+bfcl_live")
 # the built-in sources that train on BFCL's live categories (so may not score them)
 LIVE_DATA = ("bfcl_live", "synthetic+bfcl_live")
 
@@ -244,7 +244,7 @@ def _validate_moragent(cfg, *, check_paths: bool) -> None:
     if m.batch_size % m.micro_batch:
         raise ConfigError(f"config.moragent.batch_size: {m.batch_size} is not a multiple of "
                           f"config.moragent.micro_batch={m.micro_batch}")
-    if m.train_data in ("synthetic", "synthetic+bfcl_live") and m.heldout_examples >= m.synthetic_examples:
+    if m.train_data in ("synthetic", "questions", "synthetic+bfcl_live") and m.heldout_examples >= m.synthetic_examples:
         raise ConfigError(f"config.moragent.heldout_examples: {m.heldout_examples} leaves no training example of "
                           f"config.moragent.synthetic_examples={m.synthetic_examples}")
     try:
@@ -258,6 +258,6 @@ def _validate_moragent(cfg, *, check_paths: bool) -> None:
     _model_path(cfg, check_paths)
     if check_paths and m.train_data not in GENERATED_DATA and AGENT_VARIANTS[cfg.variant].trains:
         if not Path(m.train_data).expanduser().is_file():
-            raise ConfigError(f"config.moragent.train_data: {m.train_data} is not 'synthetic', 'bfcl_live', "
-                              "'synthetic+bfcl_live' or an "
+            raise ConfigError(f"config.moragent.train_data: {m.train_data} is not 'synthetic', 'questions', "
+                              "'bfcl_live', 'synthetic+bfcl_live' or an "
                               "existing JSON Lines file")

@@ -7,7 +7,8 @@
   function-calling records, converted to multi-role trajectories by the rule-based converter;
   the last ``moragent.heldout_examples`` are held out), "bfcl_live" (BFCL's live categories,
   ``tasks.bfcl.live_records``: items offering a function named in the scored non-live
-  categories left out; shuffled, the first ``moragent.live_examples`` kept), "synthetic+bfcl_live"
+  categories left out; shuffled, the first ``moragent.live_examples`` kept), "questions"
+  (``tasks.bfcl.questions``' leakage-free questions, converted the same way), "synthetic+bfcl_live"
   (both, shuffled together) or a JSON Lines file in the multi-role
   format (its last ``heldout_examples`` records held out); rendered with the backbone's chat
   template (``sft.data.render``).
@@ -41,6 +42,7 @@ from morse_jax.sft.data import render
 from morse_jax.sft.state import SFTState, make_optimizer
 from morse_jax.sft.trainer import SFTTrainer
 from morse_jax.tasks.bfcl.live_records import live_records
+from morse_jax.tasks.bfcl.questions import generate as generate_questions
 from morse_jax.tasks.bfcl.synthetic import generate as generate_records
 from morse_jax.tasks.bfcl.trajectories import from_function_calling
 from morse_jax.tasks.trajectories import Trajectory, load_jsonl
@@ -74,6 +76,8 @@ def training_trajectories(cfg) -> tuple[list[Trajectory], list[Trajectory]]:
         records = []
         if m.train_data in ("synthetic", "synthetic+bfcl_live"):
             records += generate_records(m.synthetic_examples, seed=cfg.seed)
+        if m.train_data == "questions":
+            records += generate_questions(m.synthetic_examples, seed=cfg.seed)
         if m.train_data in ("bfcl_live", "synthetic+bfcl_live"):
             live, _ = live_records()
             # BFCL lists them category by category: shuffle (seeded) so the held-out tail and a capped

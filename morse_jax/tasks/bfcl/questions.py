@@ -28,7 +28,7 @@ import dataclasses
 import random
 from typing import Any
 
-from morse_jax.tasks.bfcl.synthetic import PYTHON_HINT, SCENARIOS
+from morse_jax.tasks.bfcl.synthetic import PYTHON_HINT, distinct_records
 
 DEFAULT_MIX = {"simple": 0.25, "multiple": 0.2, "parallel": 0.2, "parallel_multiple": 0.1, "irrelevance": 0.25}
 
@@ -410,24 +410,8 @@ def generate(n: int, seed: int = 0, mix: dict[str, float] | None = None) -> list
     """``n`` distinct records (distinct query + offered functions), deterministic for ``seed`` and
     ``mix`` (scenario -> weight; default DEFAULT_MIX). Raises ValueError for an unknown scenario or
     when ``n`` distinct records cannot be found."""
-    mix = dict(DEFAULT_MIX if mix is None else mix)
-    bad = sorted(set(mix) - set(SCENARIOS))
-    if bad:
-        raise ValueError(f"questions.generate: unknown scenario(s) {bad}; known: {SCENARIOS}")
     rng = random.Random(seed)
-    names, weights = list(mix), [mix[k] for k in mix]
-    out, seen = [], set()
-    for _ in range(20 * n + 100):
-        if len(out) == n:
-            break
-        ex = _example(rng.choices(names, weights)[0], rng)
-        key = (ex["query"], tuple(f["name"] for f in ex["functions"]))
-        if key not in seen:
-            seen.add(key)
-            out.append({"id": f"questions-{len(out)}", **ex})
-    if len(out) < n:
-        raise ValueError(f"questions.generate: only {len(out)} distinct records found for n={n}")
-    return out
+    return distinct_records(n, DEFAULT_MIX if mix is None else mix, lambda s: _example(s, rng), rng, "questions")
 
 
 def catalogue_names() -> list[str]:

@@ -243,24 +243,32 @@ def generate(n: int, seed: int = 0, mix: dict[str, float] | None = None) -> list
 
     Raises ValueError for an unknown scenario or when ``n`` distinct records cannot be found.
     """
-    mix = dict(DEFAULT_MIX if mix is None else mix)
-    bad = sorted(set(mix) - set(SCENARIOS))
-    if bad:
-        raise ValueError(f"synthetic.generate: unknown scenario(s) {bad}; known: {SCENARIOS}")
     rng = random.Random(seed)
     cat = _catalogue(rng)
+    return distinct_records(n, DEFAULT_MIX if mix is None else mix, lambda s: _example(s, cat, rng), rng, "synthetic")
+
+
+def distinct_records(n: int, mix: dict[str, float], draw: Callable[[str], dict], rng: random.Random,
+                     source: str) -> list[dict]:
+    """``n`` records ``draw(scenario)`` with scenarios drawn by ``mix``'s weights, the first of each
+    (query, offered function names) kept, ids ``<source>-<i>``; shared by this module's and
+    :mod:`~morse_jax.tasks.bfcl.questions`' ``generate``. Raises ValueError for an unknown scenario
+    or when ``n`` distinct records are not found in ``20 n + 100`` draws."""
+    bad = sorted(set(mix) - set(SCENARIOS))
+    if bad:
+        raise ValueError(f"{source}.generate: unknown scenario(s) {bad}; known: {SCENARIOS}")
     names, weights = list(mix), [mix[k] for k in mix]
     out, seen = [], set()
     for _ in range(20 * n + 100):
         if len(out) == n:
             break
-        ex = _example(rng.choices(names, weights)[0], cat, rng)
+        ex = draw(rng.choices(names, weights)[0])
         key = (ex["query"], tuple(f["name"] for f in ex["functions"]))
         if key not in seen:
             seen.add(key)
-            out.append({"id": f"synthetic-{len(out)}", **ex})
+            out.append({"id": f"{source}-{len(out)}", **ex})
     if len(out) < n:
-        raise ValueError(f"synthetic.generate: only {len(out)} distinct records found for n={n}")
+        raise ValueError(f"{source}.generate: only {len(out)} distinct records found for n={n}")
     return out
 
 

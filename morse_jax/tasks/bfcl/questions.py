@@ -19,7 +19,8 @@ Function names are this module's own (checked against every BFCL category by the
 are the requests' 8-word phrases), parameter schemas use BFCL's dialect (``"type": "dict"``,
 required and optional parameters, optional ones with a ``default`` that requests may leave out).
 Records have :mod:`~morse_jax.tasks.bfcl.synthetic`'s format and scenarios and go through the same
-converter (:func:`~morse_jax.tasks.bfcl.trajectories.from_function_calling`).
+converter (:func:`~morse_jax.tasks.bfcl.trajectories.from_function_calling`). Most of this file is
+the catalogue (a table of 36 tools), hence its length.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class Param:
 @dataclasses.dataclass(frozen=True)
 class Tool:
     """A function of the catalogue: ``asks`` are question templates holding "{args}" (the argument
-    phrases) and ``topic`` names what it answers (no two tools share one)."""
+    phrases). Each tool is a topic of its own (no other tool answers its questions), which is what
+    makes an irrelevance record's offered tools unable to serve its question."""
 
     name: str
     description: str

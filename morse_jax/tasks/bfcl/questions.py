@@ -19,8 +19,9 @@ Function names are this module's own (checked against every BFCL category by the
 are the requests' 8-word phrases), parameter schemas use BFCL's dialect (``"type": "dict"``,
 required and optional parameters, optional ones with a ``default`` that requests may leave out).
 Records have :mod:`~morse_jax.tasks.bfcl.synthetic`'s format and scenarios and go through the same
-converter (:func:`~morse_jax.tasks.bfcl.trajectories.from_function_calling`). Most of this file is
-the catalogue (a table of 36 tools), hence its length.
+converter (:func:`~morse_jax.tasks.bfcl.trajectories.from_function_calling`).
+
+The module is longer than 400 lines because most of it is the catalogue, a table of 36 tools.
 """
 
 from __future__ import annotations
